@@ -1,0 +1,59 @@
+"""What the jobs share: turn a run's outcome into a summary or a clear error and an exit code."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+USER_ERROR = 2
+"""Exit code for problems the user can fix (config, data, model, environment): nothing ran."""
+TRAINING_FAILED = 1
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    from zerolab.config import ConfigError
+    from zerolab.data import DataError
+    from zerolab.models import ModelLoadError
+    from zerolab.run import EnvironmentProblem
+
+    return ConfigError, DataError, ModelLoadError, EnvironmentProblem
+
+
+def run_and_report(job: Callable[[], Any]) -> int:
+    """Run ``job``; print its summary, or the error without a traceback, and return the exit code."""
+    from ray.train import TrainingFailedError
+
+    try:
+        result = job()
+    except user_errors() as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return USER_ERROR
+    except TrainingFailedError as exc:
+        print(f"\ntraining failed: {root_cause(exc)}", file=sys.stderr)
+        return TRAINING_FAILED
+    print(summary(result))
+    return 0
+
+
+def root_cause(exc: BaseException) -> str:
+    """The innermost worker error of a Ray Train failure, as one message."""
+    seen = exc
+    while seen.__cause__ is not None:
+        seen = seen.__cause__
+    text = str(seen).strip()
+    return text.splitlines()[-1] if text else type(seen).__name__
+
+
+def summary(result: Any) -> str:
+    lines = [
+        "",
+        f"run        {result.run_name}  (MLflow run {result.run_id})",
+        f"adapter    {result.adapter_path}",
+        f"checkpoint {result.checkpoint_path}",
+    ]
+    for key in ("train/loss", "eval/loss", "perf/tokens_per_s", "perf/wall_s"):
+        if key in result.metrics:
+            lines.append(f"{key:<18} {result.metrics[key]:.4g}")
+    lines.append(f"compare runs: mlflow ui --backend-store-uri {result.tracking_uri}")
+    return "\n".join(lines)

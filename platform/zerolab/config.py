@@ -1,0 +1,454 @@
+"""The job configuration: one frozen dataclass per concern, loaded from YAML plus dotted overrides.
+
+``load_config(path, overrides)`` returns a validated :class:`SFTConfig` or raises one
+:class:`ConfigError` that lists every problem as ``<dotted.key>: <what is wrong>; <how to fix>``.
+The config crosses into Ray as ``cfg.to_dict()`` and is rebuilt on workers with
+``SFTConfig.from_dict``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+BUILTIN_TINY_MODEL = "builtin:tiny-qwen2"
+DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+AdapterMethod = Literal["full", "lora", "dora", "rslora", "adalora"]
+TaskName = Literal["math_sum", "ner_json", "custom"]
+Precision = Literal["auto", "bf16", "fp16", "fp32"]
+
+
+class ConfigError(ValueError):
+    """A user's configuration is invalid. ``problems`` holds one line per problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"invalid configuration ({len(self.problems)} problem(s)):\n{lines}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    name_or_path: str = BUILTIN_TINY_MODEL
+    """Hugging Face hub id, local folder, or `builtin:tiny-qwen2` (a tiny Qwen2 built from code, no download)."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) when `name_or_path` is a hub id."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    """Attention kernel; `flash_attention_2` needs a GPU and the flash-attn package."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory, about a third more compute."""
+    trust_remote_code: bool = False
+    """Allow model code from the hub repository to run (only for models you trust)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdapterSpec:
+    method: AdapterMethod = "lora"
+    """`full` fine-tuning or a peft adapter: `lora`, `dora`, `rslora`, `adalora`."""
+    r: int = 8
+    """Adapter rank (AdaLoRA: the average target rank after pruning)."""
+    alpha: float = 16.0
+    """Adapter scaling numerator: scale = alpha / r (rsLoRA: alpha / sqrt(r))."""
+    dropout: float = 0.05
+    """Dropout on the adapter input."""
+    target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
+    """Module names (suffixes) that get adapters, or `[all-linear]`."""
+    adalora_init_r: int = 12
+    """AdaLoRA: rank every adapter starts with before budget pruning; must exceed `r`."""
+    adalora_warmup_fraction: float = 0.1
+    """AdaLoRA: fraction of the steps trained before rank pruning starts (peft's tinit)."""
+    adalora_final_fraction: float = 0.2
+    """AdaLoRA: fraction of the steps trained at the final rank budget (peft's tfinal)."""
+
+    def is_peft(self) -> bool:
+        return self.method != "full"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSpec:
+    task: TaskName = "math_sum"
+    """Task that supplies the system prompt, the generator and the scorer; `custom` needs `train_path`."""
+    train_path: str | None = None
+    """JSON array, JSONL or Parquet file (or a folder of them); empty: generate `num_train_rows` rows."""
+    eval_path: str | None = None
+    """Held-out file in the same formats; empty with a generated train set: generate `num_eval_rows`."""
+    num_train_rows: int = 1798
+    """Rows to generate when `train_path` is empty (the seeds' math set had 1,798)."""
+    num_eval_rows: int = 200
+    """Rows to generate when `eval_path` is empty; 0 for no eval split."""
+    system_prompt: str | None = None
+    """System message; empty: the task's own."""
+    max_seq_length: int = 128
+    """Longest tokenized sample (prompt + response) accepted; longer rows are reported as bad."""
+    packing: bool = False
+    """Pack several samples into each sequence (attention stays within each sample)."""
+    max_bad_fraction: float = 0.0
+    """Fraction of malformed rows tolerated before the job fails (they are always reported)."""
+    seed: int = 0
+    """Seed of the task generator."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSpec:
+    micro_batch_size: int = 8
+    """Samples (packed rows with `data.packing`) per worker per forward pass."""
+    grad_accum_steps: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    max_steps: int | None = None
+    """Optimizer steps to run; empty: `num_epochs` passes over the data."""
+    num_epochs: int = 1
+    """Passes over the training data when `max_steps` is empty."""
+    lr: float = 1e-4
+    """Peak learning rate."""
+    lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay after warm-up."""
+    warmup_ratio: float = 0.03
+    """Fraction of the steps with linear warm-up."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (not applied to biases and norms)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm; 0 disables it."""
+    precision: Precision = "auto"
+    """`auto`: bf16 on GPU, fp32 on CPU."""
+    seed: int = 42
+    """Seed of model init, adapter init, dropout and data order."""
+    log_every_n_steps: int = 5
+    """Report metrics every N optimizer steps (each report synchronises the device)."""
+    checkpoint_every_n_steps: int | None = None
+    """Save a resumable checkpoint every N steps; one is always saved at the end."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept in storage (the newest)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepSpeedSpec:
+    stage: Literal[0, 1, 2, 3] = 2
+    """ZeRO stage: 0 plain data parallel, 1 optimizer states, 2 + gradients, 3 + parameters partitioned."""
+    offload_optimizer: bool = False
+    """Keep optimizer states in host memory (DeepSpeedCPUAdam); stages 1-3."""
+    offload_param: bool = False
+    """Keep parameters in host memory; stage 3 only."""
+    config: str | None = None
+    """DeepSpeed JSON to use; empty: the file in `ds_configs/` that matches stage and offload."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScalingSpec:
+    num_workers: int = 2
+    """Ray Train workers (one per GPU when `use_gpu`)."""
+    use_gpu: bool = False
+    """Train on GPUs (NCCL) instead of CPUs (gloo, DeepSpeed's CPU accelerator)."""
+    cpus_per_worker: float = 1.0
+    """CPUs reserved for each worker."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    name: str = "sft-math_sum-tiny"
+    """Run name: Ray Train run folder and MLflow run; relaunching the same name resumes it."""
+    storage_path: str = "~/zerolab_runs"
+    """Where checkpoints and outputs go: a shared local/NFS folder or s3:// / gs:// URI."""
+    max_failures: int = 0
+    """Worker-group failures retried from the last checkpoint before the run fails."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrackingSpec:
+    uri: str | None = None
+    """MLflow tracking URI; empty: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory."""
+    experiment: str = "zerolab"
+    """MLflow experiment name."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTConfig:
+    model: ModelSpec = field(default_factory=ModelSpec)
+    adapter: AdapterSpec = field(default_factory=AdapterSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    train: TrainSpec = field(default_factory=TrainSpec)
+    deepspeed: DeepSpeedSpec = field(default_factory=DeepSpeedSpec)
+    scaling: ScalingSpec = field(default_factory=ScalingSpec)
+    run: RunSpec = field(default_factory=RunSpec)
+    tracking: TrackingSpec = field(default_factory=TrackingSpec)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> SFTConfig:
+        """Build and validate; raises ConfigError listing every problem."""
+        problems: list[str] = []
+        cfg = _build(cls, raw, "", problems)
+        if not problems:
+            problems.extend(validate(cfg))
+        if problems:
+            raise ConfigError(problems)
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(dataclasses.asdict(self))
+
+    def flat(self) -> dict[str, Any]:
+        """The config as dotted keys, e.g. ``{"adapter.r": 8, ...}``."""
+        return {f"{section}.{key}": value for section, values in self.to_dict().items() for key, value in values.items()}
+
+    def replace(self, **sections: Any) -> SFTConfig:
+        return dataclasses.replace(self, **sections)
+
+    def precision(self) -> Literal["bf16", "fp16", "fp32"]:
+        """The precision the workers train in (`auto` resolved)."""
+        if self.train.precision != "auto":
+            return self.train.precision
+        return "bf16" if self.scaling.use_gpu else "fp32"
+
+    def world_size(self) -> int:
+        return self.scaling.num_workers
+
+    def global_batch_size(self) -> int:
+        return self.train.micro_batch_size * self.train.grad_accum_steps * self.scaling.num_workers
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> SFTConfig:
+    """Load a YAML job config (or the embedded default when ``path`` is None) and apply ``a.b=value`` overrides."""
+    raw = load_yaml(path) if path is not None else {}
+    return SFTConfig.from_dict(apply_overrides(raw, overrides))
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([f"--config: no such file '{path}'; pass the path of a job YAML such as jobs/configs/math_tiny.yaml"])
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"--config: '{path}' is not valid YAML ({exc}); fix the syntax"]) from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError([f"--config: '{path}' must hold a mapping of sections (model:, adapter:, ...), got {type(raw).__name__}"])
+    return raw
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Return a copy of ``raw`` with each ``section.key=value`` applied; values are parsed as YAML scalars/lists."""
+    merged = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    problems = []
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or len(parts) != 2 or not all(parts):
+            problems.append(f"--set {item}: expected section.key=value, e.g. --set adapter.r=16")
+            continue
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError:
+            value = text
+        section = merged.setdefault(parts[0], {})
+        if not isinstance(section, dict):
+            problems.append(f"--set {item}: '{parts[0]}' is not a section")
+            continue
+        section[parts[1]] = value
+    if problems:
+        raise ConfigError(problems)
+    return merged
+
+
+def validate(cfg: SFTConfig) -> list[str]:
+    """Cross-field checks that types alone cannot express. Returns the problems found."""
+    p: list[str] = []
+    m, a, d, t, ds, s, r = cfg.model, cfg.adapter, cfg.data, cfg.train, cfg.deepspeed, cfg.scaling, cfg.run
+
+    def positive(key: str, value: float | None, *, allow_none: bool = False, zero_ok: bool = False) -> None:
+        if value is None and allow_none:
+            return
+        if value is None or value < 0 or (value == 0 and not zero_ok):
+            need = "a number >= 0" if zero_ok else "a positive number"
+            p.append(f"{key}: {value!r} is not allowed; use {need}")
+
+    def fraction(key: str, value: float, *, upper_open: bool = True) -> None:
+        if not (0.0 <= value < 1.0 if upper_open else 0.0 <= value <= 1.0):
+            bound = "[0, 1)" if upper_open else "[0, 1]"
+            p.append(f"{key}: {value!r} is out of range; use a value in {bound}")
+
+    positive("adapter.r", a.r)
+    positive("adapter.alpha", a.alpha)
+    fraction("adapter.dropout", a.dropout)
+    positive("data.num_train_rows", d.num_train_rows)
+    positive("data.num_eval_rows", d.num_eval_rows, zero_ok=True)
+    fraction("data.max_bad_fraction", d.max_bad_fraction, upper_open=False)
+    if d.max_seq_length < 8:
+        p.append(f"data.max_seq_length: {d.max_seq_length} is too short for a chat-formatted sample; use at least 8")
+    positive("train.micro_batch_size", t.micro_batch_size)
+    positive("train.grad_accum_steps", t.grad_accum_steps)
+    positive("train.max_steps", t.max_steps, allow_none=True)
+    positive("train.num_epochs", t.num_epochs)
+    positive("train.lr", t.lr)
+    fraction("train.warmup_ratio", t.warmup_ratio)
+    positive("train.weight_decay", t.weight_decay, zero_ok=True)
+    positive("train.max_grad_norm", t.max_grad_norm, zero_ok=True)
+    positive("train.log_every_n_steps", t.log_every_n_steps)
+    positive("train.checkpoint_every_n_steps", t.checkpoint_every_n_steps, allow_none=True)
+    positive("train.keep_checkpoints", t.keep_checkpoints)
+    positive("scaling.num_workers", s.num_workers)
+    positive("scaling.cpus_per_worker", s.cpus_per_worker)
+    positive("run.max_failures", r.max_failures, zero_ok=True)
+
+    if not a.target_modules:
+        p.append("adapter.target_modules: empty; list module names such as [q_proj, v_proj], or [all-linear]")
+    if a.method == "adalora":
+        if a.adalora_init_r <= a.r:
+            p.append(f"adapter.adalora_init_r: {a.adalora_init_r} must exceed adapter.r={a.r} (AdaLoRA prunes from init_r down to r); raise adapter.adalora_init_r or lower adapter.r")
+        if not 0 < a.adalora_warmup_fraction + a.adalora_final_fraction < 1:
+            p.append("adapter.adalora_warmup_fraction + adapter.adalora_final_fraction: must lie in (0, 1) so that a pruning phase remains; e.g. 0.1 and 0.2")
+        if ds.stage != 0:
+            p.append(f"adapter.method: adalora with deepspeed.stage={ds.stage} is not supported: AdaLoRA masks adapter weights in place from their gradients, which ZeRO 1-3 partition and keep in separate fp32 copies; set deepspeed.stage=0")
+        if cfg.precision() != "fp32":
+            p.append(f"adapter.method: adalora needs train.precision=fp32 (DeepSpeed's {cfg.precision()} optimizer keeps master weights that AdaLoRA's in-place rank masking cannot reach); set train.precision=fp32")
+
+    if d.task == "custom" and not d.train_path:
+        p.append("data.train_path: required when data.task=custom (there is no generator); give a JSON/JSONL/Parquet file")
+    for key, value in (("data.train_path", d.train_path), ("data.eval_path", d.eval_path), ("deepspeed.config", ds.config)):
+        if value and "://" not in value and not Path(value).expanduser().exists():
+            p.append(f"{key}: no such file or folder '{value}'; check the path (relative paths start at the working directory)")
+
+    if ds.offload_optimizer and ds.stage == 0:
+        p.append("deepspeed.offload_optimizer: ZeRO stage 0 has no partitioned optimizer to offload; set deepspeed.stage to 1, 2 or 3, or deepspeed.offload_optimizer=false")
+    if ds.offload_param and ds.stage != 3:
+        p.append(f"deepspeed.offload_param: parameter offload needs ZeRO stage 3 (got stage {ds.stage}); set deepspeed.stage=3 or deepspeed.offload_param=false")
+
+    if not s.use_gpu:
+        if t.precision == "fp16":
+            p.append("train.precision: fp16 needs a GPU (DeepSpeed's CPU accelerator has no fp16 loss scaling); use fp32 or auto with scaling.use_gpu=false")
+        if m.attn_implementation == "flash_attention_2":
+            p.append("model.attn_implementation: flash_attention_2 needs a GPU; use sdpa with scaling.use_gpu=false")
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", r.name):
+        p.append(f"run.name: {r.name!r} must be 1-128 letters, digits, '.', '_' or '-' (it names folders and the MLflow run)")
+    if not cfg.tracking.experiment.strip():
+        p.append("tracking.experiment: empty; give an experiment name")
+    return p
+
+
+# --- generic dataclass <-> dict machinery -------------------------------------------------
+
+
+def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
+    where = prefix.rstrip(".") or "config"
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        problems.append(f"{where}: expected a mapping of keys, got {type(raw).__name__} {raw!r}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"did you mean '{prefix}{close[0]}'?" if close else f"valid keys: {', '.join(names)}"
+            problems.append(f"{prefix}{key}: unknown key; {hint}")
+    kwargs = {}
+    for name in names:
+        if name not in raw:
+            continue
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, raw[name], f"{prefix}{name}.", problems)
+        else:
+            ok, value = _coerce(raw[name], tp)
+            if ok:
+                kwargs[name] = value
+            else:
+                problems.append(f"{prefix}{name}: {raw[name]!r} is not {_describe(tp)}; {_fix_hint(tp)}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return (type(None) in args), None
+        for arg in args:
+            if arg is not type(None):
+                ok, out = _coerce(value, arg)
+                if ok:
+                    return True, out
+        return False, None
+    if origin is Literal:
+        return (value in args and type(value) in {type(a) for a in args}), value
+    if origin is tuple:
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            return False, None
+        out = []
+        for item in items:
+            ok, v = _coerce(item, args[0])
+            if not ok:
+                return False, None
+            out.append(v)
+        return True, tuple(out)
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else None
+    if tp is str:
+        return isinstance(value, str), value
+    raise AssertionError(f"unsupported config type {tp}")
+
+
+def _describe(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("empty (null)" if a is type(None) else _describe(a) for a in args)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin is tuple:
+        return f"a list of {_describe(args[0])}"
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}[tp]
+
+
+def _fix_hint(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "choose one of " + ", ".join(str(a) for a in typing.get_args(tp))
+    return f"use {_describe(tp)}"
+
+
+def _to_plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+def reference_rows() -> list[tuple[str, str, str]]:
+    """(dotted key, default, description) for every config field, from the attribute docstrings."""
+    rows = []
+    for section in dataclasses.fields(SFTConfig):
+        cls = typing.get_type_hints(SFTConfig)[section.name]
+        docs = _attribute_docstrings(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            shown = "" if default is None else (", ".join(default) if isinstance(default, tuple) else str(default))
+            rows.append((f"{section.name}.{f.name}", shown, docs.get(f.name, "")))
+    return rows
+
+
+def _attribute_docstrings(cls: type) -> dict[str, str]:
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore[union-attr]
+    return docs

@@ -1,0 +1,125 @@
+"""DeepSpeed JSON resolution: the files hold topology and memory knobs, the job config owns the rest.
+
+A file in ``ds_configs/`` writes ``"auto"`` for every value the job config owns (batch sizes,
+clipping, precision) and for bucket sizes derived from the model's hidden size. :func:`resolve`
+fills them in and reports every value that contradicts the job config, so the two never disagree
+silently (accelerate's ``fill_match`` does the same for its DeepSpeed plugin).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+from zerolab.config import ConfigError, SFTConfig
+
+DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
+"""The repository's ``ds_configs/`` folder (the package lives in ``platform/zerolab``)."""
+
+
+def default_config_path(stage: int, offload: bool) -> Path:
+    """``zero{stage}.json``, or ``zero{stage}_offload.json`` where that file exists and offload is on."""
+    if offload and (DS_CONFIG_DIR / f"zero{stage}_offload.json").is_file():
+        return DS_CONFIG_DIR / f"zero{stage}_offload.json"
+    return DS_CONFIG_DIR / f"zero{stage}.json"
+
+
+def config_path(cfg: SFTConfig) -> Path:
+    ds = cfg.deepspeed
+    if ds.config:
+        return Path(ds.config).expanduser()
+    return default_config_path(ds.stage, ds.offload_optimizer or ds.offload_param)
+
+
+def resolve(cfg: SFTConfig, hidden_size: int) -> dict[str, Any]:
+    """The DeepSpeed config dict for this job, every ``"auto"`` filled; raises ConfigError on conflicts."""
+    path = config_path(cfg)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError([f"deepspeed.config: no such file '{path}'; give a DeepSpeed JSON path or leave it empty"]) from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError([f"deepspeed.config: '{path}' is not valid JSON ({exc}); fix the file"]) from None
+    return fill(raw, cfg, hidden_size, source=str(path))
+
+
+def fill(raw: dict[str, Any], cfg: SFTConfig, hidden_size: int, *, source: str = "deepspeed.config") -> dict[str, Any]:
+    out = copy.deepcopy(raw)
+    problems: list[str] = []
+    t, ds = cfg.train, cfg.deepspeed
+    precision = cfg.precision()
+
+    def match(keys: tuple[str, ...], value: Any, owner: str) -> None:
+        node = out
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        current = node.get(keys[-1], "auto")
+        if current == "auto":
+            node[keys[-1]] = value
+        elif current != value:
+            problems.append(
+                f"deepspeed.config: {source} sets {'.'.join(keys)}={current!r} but {owner} gives {value!r}; "
+                f'write "auto" there (the job config owns this value) or change {owner.split(" ")[0]}'
+            )
+
+    for section in ("optimizer", "scheduler"):
+        if section in out:
+            problems.append(
+                f"deepspeed.config: {source} has an '{section}' section, but zerolab builds the optimizer and "
+                f"learning-rate schedule from train.*; remove the section"
+            )
+
+    world = cfg.world_size()
+    match(("train_micro_batch_size_per_gpu",), t.micro_batch_size, "train.micro_batch_size")
+    match(("gradient_accumulation_steps",), t.grad_accum_steps, "train.grad_accum_steps")
+    match(
+        ("train_batch_size",),
+        cfg.global_batch_size(),
+        f"train.micro_batch_size × train.grad_accum_steps × scaling.num_workers = "
+        f"{t.micro_batch_size} × {t.grad_accum_steps} × {world}",
+    )
+    match(("gradient_clipping",), float(t.max_grad_norm), "train.max_grad_norm")
+    match(("bf16", "enabled"), precision == "bf16", f"train.precision ({precision})")
+    match(("fp16", "enabled"), precision == "fp16", f"train.precision ({precision})")
+
+    zero = out.setdefault("zero_optimization", {})
+    match(("zero_optimization", "stage"), ds.stage, "deepspeed.stage")
+    for flag, section in ((ds.offload_optimizer, "offload_optimizer"), (ds.offload_param, "offload_param")):
+        device = zero.get(section, {}).get("device", "none")
+        if flag and device == "none":
+            zero[section] = {"device": "cpu", "pin_memory": True}
+        elif not flag and device != "none":
+            problems.append(
+                f"deepspeed.config: {source} offloads {section} to {device} but deepspeed.{section}=false; "
+                f"set deepspeed.{section}=true or remove the section"
+            )
+    # DeepSpeed's and Hugging Face's defaults for bucket sizes scale with the hidden size.
+    derived = {
+        "reduce_bucket_size": hidden_size * hidden_size,
+        "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+        "stage3_param_persistence_threshold": 10 * hidden_size,
+    }
+    for key, value in derived.items():
+        if zero.get(key) == "auto":
+            zero[key] = value
+
+    leftover = [k for k, v in _walk(out) if v == "auto"]
+    for key in leftover:
+        problems.append(f"deepspeed.config: {source} leaves {key}='auto', which zerolab does not fill; give a value")
+    total = out["train_micro_batch_size_per_gpu"] * out["gradient_accumulation_steps"] * world
+    if not problems and out["train_batch_size"] != total:
+        problems.append(f"deepspeed.config: train_batch_size={out['train_batch_size']} must equal micro × grad_accum × world = {total}")
+    if problems:
+        raise ConfigError(problems)
+    return out
+
+
+def _walk(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(node, dict):
+        items = []
+        for k, v in node.items():
+            items.extend(_walk(v, f"{prefix}{k}."))
+        return items
+    return [(prefix.rstrip("."), node)]

@@ -1,0 +1,190 @@
+"""Model and tokenizer loading: any Hugging Face causal LM by hub id or path, or the built-in tiny one.
+
+``builtin:tiny-qwen2`` is a few-layer Qwen2 with random weights and a byte-level BPE tokenizer
+trained on the tasks' generated text with a ChatML chat template. It is built from code on first
+use into ``$ZEROLAB_CACHE`` (default ``~/.cache/zerolab``) and then loads through the same
+``from_pretrained`` code as a real model, so nothing is downloaded in tests or in the default run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from zerolab.config import BUILTIN_TINY_MODEL, ModelSpec
+
+logger = logging.getLogger(__name__)
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+"""Qwen2.5's ChatML layout without its default system prompt."""
+
+_TINY_VERSION = "v1"
+_TINY_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+
+
+class ModelLoadError(RuntimeError):
+    """The model or tokenizer could not be loaded; the message says what to do."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ZEROLAB_CACHE", Path.home() / ".cache" / "zerolab")).expanduser()
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """A loadable id or folder: builds the built-in tiny model on first use, passes others through."""
+    if name_or_path == BUILTIN_TINY_MODEL:
+        return str(build_tiny_model())
+    if name_or_path.startswith("builtin:"):
+        raise ModelLoadError(f"model.name_or_path: unknown built-in model '{name_or_path}'; the built-in one is '{BUILTIN_TINY_MODEL}'")
+    return name_or_path
+
+
+def build_tiny_model(root: Path | None = None) -> Path:
+    """Build (once) and return the folder of the tiny Qwen2 model and its tokenizer.
+
+    Deterministic: the same code gives the same tokenizer and weights, so every node of a
+    cluster can build its own copy. Concurrent builders are serialised with a file lock.
+    """
+    from filelock import FileLock
+
+    target = (root or cache_dir()) / f"tiny-qwen2-{_TINY_VERSION}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if (target / "config.json").is_file():
+            return target
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".building-"))
+        try:
+            tokenizer = _train_tiny_tokenizer()
+            tokenizer.save_pretrained(tmp)
+            from transformers import Qwen2Config, Qwen2ForCausalLM
+
+            config = Qwen2Config(
+                vocab_size=len(tokenizer),
+                max_position_embeddings=2048,
+                tie_word_embeddings=True,
+                bos_token_id=None,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+                **_TINY_SHAPE,
+            )
+            torch.manual_seed(0)
+            model = Qwen2ForCausalLM(config)
+            model.generation_config.eos_token_id = tokenizer.eos_token_id
+            model.generation_config.pad_token_id = tokenizer.pad_token_id
+            model.save_pretrained(tmp)
+            tmp.rename(target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("built %s at %s", BUILTIN_TINY_MODEL, target)
+    return target
+
+
+def _train_tiny_tokenizer() -> PreTrainedTokenizerBase:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from zerolab.tasks import TASKS
+
+    corpus: list[str] = []
+    for task in TASKS.values():
+        corpus.append(task.system_prompt)
+        if task.generate is None:
+            continue
+        for row in task.generate(2000, 1234):
+            corpus.extend(v if isinstance(v, str) else json.dumps(v, ensure_ascii=False) for v in row.values())
+    # Role names and JSON punctuation appear in every rendered sample: give them their own tokens.
+    corpus.extend(["system\n", "user\n", "assistant\n", '{"', '": ["', '"], "', '"]}'] * 500)
+
+    tok = Tokenizer(models.BPE())
+    # Digits one by one (as Qwen2 does): numbers stay learnable for a small model.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML_TEMPLATE,
+        model_max_length=2048,
+    )
+
+
+def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
+    path = resolve_model_path(spec.name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(_load_failure(spec.name_or_path, "tokenizer", exc)) from exc
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if not tokenizer.chat_template:
+        raise ModelLoadError(
+            f"model.name_or_path: the tokenizer of '{spec.name_or_path}' has no chat template, so prompts "
+            "cannot be rendered the way the model expects; use an instruct/chat model or add a chat_template "
+            "to its tokenizer_config.json"
+        )
+    return tokenizer
+
+
+def load_model(spec: ModelSpec, dtype: torch.dtype) -> PreTrainedModel:
+    path = resolve_model_path(spec.name_or_path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            revision=spec.revision,
+            dtype=dtype,
+            attn_implementation=spec.attn_implementation,
+            trust_remote_code=spec.trust_remote_code,
+        )
+    except (OSError, ValueError, ImportError) as exc:
+        raise ModelLoadError(_load_failure(spec.name_or_path, "model", exc)) from exc
+    if spec.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+def linear_module_names(spec: ModelSpec) -> set[str]:
+    """Names (last path component) of the model's nn.Linear modules, from its config on the meta device."""
+    path = resolve_model_path(spec.name_or_path)
+    try:
+        config = AutoConfig.from_pretrained(path, revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(_load_failure(spec.name_or_path, "model config", exc)) from exc
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=spec.trust_remote_code)
+    return {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+
+
+def _load_failure(name: str, what: str, exc: Exception) -> str:
+    if Path(name).expanduser().exists() or name.startswith(("/", ".", "~")):
+        hint = f"the folder '{name}' exists but does not hold a loadable Hugging Face {what} (config.json, tokenizer files, weights); point model.name_or_path at the saved model folder"
+        if not Path(name).expanduser().exists():
+            hint = f"there is no folder '{name}'; check model.name_or_path"
+    else:
+        hint = (
+            f"'{name}' is not a local folder, so it was looked up as a Hugging Face hub id; if this machine has no "
+            "network, download the model elsewhere (huggingface-cli download) and set model.name_or_path to its "
+            "folder, or check the id's spelling and your HF_TOKEN for gated models"
+        )
+    return f"could not load the {what} '{name}': {hint}. (cause: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"

@@ -1,0 +1,53 @@
+"""Throughput and memory figures: FLOPs per token, peak device FLOP/s, peak memory per device and node."""
+
+from __future__ import annotations
+
+import resource
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+GIB = 1024**3
+
+_PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "4090": 165e12}
+"""Dense bf16 tensor-core peaks from the vendors' datasheets (no sparsity)."""
+
+
+def peak_flops(device: torch.device) -> float:
+    """Dense bf16 peak of one device, or 0 where unknown (CPU): MFU is then not reported."""
+    if device.type != "cuda":
+        return 0.0
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in _PEAK_BF16_FLOPS.items() if k in name), 0.0)
+
+
+def train_flops_per_token(total_params: int, trainable_params: int, full: bool) -> float:
+    """Matmul FLOPs per trained token: forward 2N; backward 2N for activation gradients plus 2N for
+    weight gradients when every weight trains (adapters add ~6 × their own size). Attention scores
+    are left out, as in the usual 6N convention."""
+    if full:
+        return 6.0 * total_params
+    return 4.0 * total_params + 6.0 * trainable_params
+
+
+def memory_metrics(device: torch.device, ctx: Any) -> dict[str, float]:
+    """Peak GPU memory of this rank and the peak host RSS summed over the workers of each node
+    (the largest node's sum). A collective: every rank calls it."""
+    out: dict[str, float] = {}
+    if device.type == "cuda":
+        peaks = torch.tensor([torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
+                             dtype=torch.float64, device=device)
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        out["mem/gpu_peak_allocated_gib"] = peaks[0].item() / GIB
+        out["mem/gpu_peak_reserved_gib"] = peaks[1].item() / GIB
+    nodes = torch.zeros(ctx.get_world_size(), dtype=torch.float64, device=device)
+    nodes[ctx.get_node_rank()] = host_rss_peak_bytes()
+    dist.all_reduce(nodes)
+    out["mem/host_rss_peak_gib"] = nodes.max().item() / GIB
+    return out
+
+
+def host_rss_peak_bytes() -> int:
+    """Peak resident set size of this process (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

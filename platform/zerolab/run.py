@@ -1,0 +1,265 @@
+"""The driver side of an SFT job: connect to Ray, check everything that can be checked before a
+worker starts, prepare the data, open the MLflow run and run the ``TorchTrainer``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform as _platform
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+import zerolab
+from zerolab import ds_config, tracking
+from zerolab.config import ConfigError, SFTConfig
+from zerolab.data import DataError, SplitReport, prepare_split
+from zerolab.models import cache_dir, linear_module_names, resolve_model_path
+from zerolab.tasks import generate_dataset, get_task
+
+logger = logging.getLogger("zerolab")
+
+
+class EnvironmentProblem(RuntimeError):
+    """The machine or cluster cannot run the job as configured; the message says what to do."""
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    run_name: str
+    tracking_uri: str
+    checkpoint_path: str
+    adapter_path: str
+    metrics: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None) -> RunResult:
+    """Run one SFT job end to end and return where its results are. Raises ConfigError, DataError,
+    ModelLoadError or EnvironmentProblem for user-fixable problems, before any worker starts."""
+    connect_ray(cfg)
+    check_resources(cfg)
+    model_path = resolve_model_path(cfg.model.name_or_path)
+    resolved_ds = check_against_model(cfg)
+    splits, reports = prepare_data(cfg, model_path)
+
+    uri = tracking.tracking_uri(cfg.tracking.uri)
+    run_id, resumed = tracking.open_run(uri, cfg.tracking.experiment, cfg.run.name, tags=run_tags(cfg))
+    logger.info("MLflow run %s (%s) in experiment '%s' at %s", run_id, "resumed" if resumed else "new", cfg.tracking.experiment, uri)
+    status = "FAILED"
+    try:
+        tracking.log_params(uri, run_id, {**cfg.flat(), **derived_params(cfg, reports)})
+        _log_inputs(uri, run_id, cfg, resolved_ds, reports, config_file)
+        result = build_trainer(cfg, resolved_ds, splits, uri, run_id).fit()
+        checkpoint = result.checkpoint
+        assert checkpoint is not None, "the run finished without a final checkpoint"
+        with checkpoint.as_directory() as folder:
+            tracking.log_artifact(uri, run_id, Path(folder) / "adapter", "adapter")
+        status = "FINISHED"
+        adapter = f"{checkpoint.path.rstrip('/')}/adapter"
+        return RunResult(run_id=run_id, run_name=cfg.run.name, tracking_uri=uri, checkpoint_path=checkpoint.path,
+                         adapter_path=adapter, metrics=dict(result.metrics or {}), data={k: r.to_dict() for k, r in reports.items()})
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        tracking.close_run(uri, run_id, status)
+
+
+def connect_ray(cfg: SFTConfig) -> None:
+    """Join the cluster of ``ray job submit`` (RAY_ADDRESS) or start a local one. zerolab itself is
+    shipped to the workers with the job (``py_modules``), so they need not have it installed."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    env_vars = {"TOKENIZERS_PARALLELISM": "false"}
+    if not cfg.scaling.use_gpu:
+        env_vars["DS_ACCELERATOR"] = "cpu"
+    if "ZEROLAB_CACHE" in os.environ:
+        env_vars["ZEROLAB_CACHE"] = os.environ["ZEROLAB_CACHE"]
+    runtime_env = {"py_modules": [str(Path(zerolab.__file__).parent)], "env_vars": env_vars}
+    address = os.environ.get("RAY_ADDRESS")
+    try:
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True, logging_level=logging.WARNING)
+    except ConnectionError as exc:
+        raise EnvironmentProblem(
+            f"could not reach the Ray cluster at RAY_ADDRESS={address!r} ({exc}). Start one with "
+            "`ray start --head`, fix RAY_ADDRESS, or unset it to run on a local Ray instance."
+        ) from None
+    import ray.data
+
+    ray.data.DataContext.get_current().enable_progress_bars = False
+
+
+def check_resources(cfg: SFTConfig) -> None:
+    """Refuse a job the cluster cannot place (Ray Train would otherwise wait for resources forever)."""
+    import ray
+
+    resources = ray.cluster_resources()
+    s = cfg.scaling
+    if s.use_gpu:
+        gpus = int(resources.get("GPU", 0))
+        if gpus == 0:
+            raise EnvironmentProblem(
+                "scaling.use_gpu=true but the Ray cluster has no GPUs (no CUDA device was found, or the nodes "
+                "were started without them). Run on a GPU machine/cluster, or set --set scaling.use_gpu=false to "
+                "train on CPUs."
+            )
+        if gpus < s.num_workers:
+            raise EnvironmentProblem(
+                f"scaling.num_workers={s.num_workers} needs {s.num_workers} GPUs but the cluster has {gpus}; lower "
+                "scaling.num_workers or add GPU nodes."
+            )
+    cpus = resources.get("CPU", 0)
+    if s.num_workers * s.cpus_per_worker > cpus:
+        raise EnvironmentProblem(
+            f"scaling.num_workers × scaling.cpus_per_worker = {s.num_workers} × {s.cpus_per_worker:g} CPUs, but the "
+            f"cluster has {cpus:g}; lower either, or add nodes."
+        )
+
+
+def check_against_model(cfg: SFTConfig) -> dict[str, Any]:
+    """Checks that need the model's architecture; returns the resolved DeepSpeed config.
+    Problems from both are reported together."""
+    from transformers import AutoConfig
+
+    problems: list[str] = []
+    linear = linear_module_names(cfg.model)
+    if cfg.adapter.is_peft() and list(cfg.adapter.target_modules) != ["all-linear"]:
+        missing = [m for m in cfg.adapter.target_modules if m not in linear]
+        if missing:
+            problems.append(
+                f"adapter.target_modules: {missing} are not linear modules of {cfg.model.name_or_path}; "
+                f"choose from {sorted(linear)} or use [all-linear]"
+            )
+    model_config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.name_or_path), revision=cfg.model.revision,
+                                              trust_remote_code=cfg.model.trust_remote_code)
+    resolved: dict[str, Any] = {}
+    try:
+        resolved = ds_config.resolve(cfg, getattr(model_config, "hidden_size", 1024))
+    except ConfigError as exc:
+        problems.extend(exc.problems)
+    if problems:
+        raise ConfigError(problems)
+    return resolved
+
+
+def dataset_paths(cfg: SFTConfig) -> dict[str, str]:
+    """The files of each split: the configured ones, or task-generated ones (made once, cached)."""
+    d = cfg.data
+    task = get_task(d.task)
+    paths: dict[str, str] = {}
+    suffix = task.file_format
+    if d.train_path:
+        paths["train"] = d.train_path
+    else:
+        target = cache_dir() / "data" / f"{d.task}-train-{d.num_train_rows}-seed{d.seed}.{suffix}"
+        paths["train"] = str(target if target.is_file() else generate_dataset(d.task, d.num_train_rows, d.seed, target))
+    if d.eval_path:
+        paths["eval"] = d.eval_path
+    elif not d.train_path and d.num_eval_rows:
+        target = cache_dir() / "data" / f"{d.task}-eval-{d.num_eval_rows}-seed{d.seed + 1}.{suffix}"
+        paths["eval"] = str(target if target.is_file() else generate_dataset(d.task, d.num_eval_rows, d.seed + 1, target))
+    return paths
+
+
+def prepare_data(cfg: SFTConfig, model_path: str) -> tuple[dict[str, Any], dict[str, SplitReport]]:
+    datasets, reports = {}, {}
+    for split, path in dataset_paths(cfg).items():
+        datasets[split], reports[split] = prepare_split(split, path, cfg, model_path)
+        logger.info("data %s", reports[split].summary())
+    need = cfg.train.micro_batch_size * cfg.world_size()
+    if reports["train"].rows_used < cfg.world_size():
+        raise DataError(
+            f"data.train_path: {reports['train'].rows_used} usable rows cannot be split over scaling.num_workers="
+            f"{cfg.world_size()} workers; add data or use fewer workers"
+        )
+    if reports["train"].rows_used < need and not cfg.data.packing:
+        logger.warning("only %d training rows for a global micro-batch of %d", reports["train"].rows_used, need)
+    return datasets, reports
+
+
+def run_tags(cfg: SFTConfig) -> dict[str, str]:
+    return {"task": cfg.data.task, "model": cfg.model.name_or_path, "method": cfg.adapter.method,
+            "stage": str(cfg.deepspeed.stage)}
+
+
+def derived_params(cfg: SFTConfig, reports: dict[str, SplitReport]) -> dict[str, Any]:
+    import deepspeed
+    import peft
+    import ray
+    import torch
+    import transformers
+
+    params: dict[str, Any] = {
+        "derived.world_size": cfg.world_size(),
+        "derived.global_batch_size": cfg.global_batch_size(),
+        "derived.precision": cfg.precision(),
+        "derived.deepspeed_config": str(ds_config.config_path(cfg)),
+        "versions.zerolab": zerolab.__version__,
+        "versions.python": _platform.python_version(),
+        "versions.torch": torch.__version__,
+        "versions.ray": ray.__version__,
+        "versions.deepspeed": deepspeed.__version__,
+        "versions.transformers": transformers.__version__,
+        "versions.peft": peft.__version__,
+    }
+    for split, report in reports.items():
+        params[f"data.{split}.fingerprint"] = report.fingerprint[:16]
+        params[f"data.{split}.rows_used"] = report.rows_used
+        params[f"data.{split}.rows_bad"] = report.rows_bad
+        params[f"data.{split}.tokens"] = report.tokens
+    return params
+
+
+def _log_inputs(uri: str, run_id: str, cfg: SFTConfig, resolved_ds: dict[str, Any], reports: dict[str, SplitReport],
+                config_file: str | Path | None) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        (folder / "resolved_config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False, allow_unicode=True))
+        (folder / "deepspeed.json").write_text(json.dumps(resolved_ds, indent=2))
+        (folder / "data_report.json").write_text(json.dumps({k: r.to_dict() for k, r in reports.items()}, indent=2, ensure_ascii=False))
+        if config_file is not None:
+            (folder / "job.yaml").write_text(Path(config_file).read_text(encoding="utf-8"), encoding="utf-8")
+        tracking.log_artifact(uri, run_id, folder, "config")
+
+
+def build_trainer(cfg: SFTConfig, resolved_ds: dict[str, Any], datasets: dict[str, Any], uri: str | None, run_id: str | None) -> Any:
+    """The TorchTrainer for this job (Ray Train V2): same name and storage path = same run, resumed."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from zerolab.data import sharded_data_config
+    from zerolab.train import train_loop_per_worker
+
+    s = cfg.scaling
+    resources = {"CPU": s.cpus_per_worker, **({"GPU": 1} if s.use_gpu else {})}
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={
+            "sft": cfg.to_dict(),
+            "deepspeed": resolved_ds,
+            "tracking": {"uri": uri, "run_id": run_id} if run_id else None,
+        },
+        torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
+        scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=resources),
+        run_config=RunConfig(
+            name=cfg.run.name,
+            storage_path=storage_path(cfg),
+            failure_config=FailureConfig(max_failures=cfg.run.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
+        ),
+        datasets=datasets,
+        dataset_config=sharded_data_config(datasets, s.num_workers),
+    )
+
+
+def storage_path(cfg: SFTConfig) -> str:
+    path = cfg.run.storage_path
+    return path if "://" in path else str(Path(path).expanduser().resolve())

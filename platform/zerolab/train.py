@@ -1,0 +1,368 @@
+"""The training loop that runs on every Ray Train worker.
+
+``train_loop_per_worker(config)`` reads top to bottom: rebuild the config, seed, load the data
+shard, tokenizer, model and adapter, ``deepspeed.initialize``, resume from a checkpoint if Ray
+Train hands one over, then the optimizer-step loop with metric reports and checkpoints.
+
+The loss of a step is the mean over every target token of the step, across gradient-accumulation
+micro-batches and ranks (not a mean of per-batch means, which over-weights short samples): each
+micro-batch's summed loss is divided by the step's global target-token count times ``1/world``,
+and DeepSpeed's average over ranks completes the mean.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from zerolab import adapters, perf
+from zerolab.config import SFTConfig
+from zerolab.data import Batch, MicroBatches, load_shard
+from zerolab.models import load_model, load_tokenizer
+
+logger = logging.getLogger("zerolab.train")
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def log_rank0(msg: str, *args: Any) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.info(msg, *args)
+
+
+def train_loop_per_worker(config: dict) -> None:
+    import deepspeed
+    import ray.train
+
+    cfg = SFTConfig.from_dict(config["sft"])
+    ds_config: dict = config["deepspeed"]
+    _setup_worker_logging()
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    _seed_everything(cfg.train.seed + rank)
+    device = ray.train.torch.get_device() if cfg.scaling.use_gpu else torch.device("cpu")
+    deepspeed.init_distributed(dist_backend="nccl" if cfg.scaling.use_gpu else "gloo")
+
+    batches = MicroBatches(
+        load_shard(ray.train.get_dataset_shard("train")),
+        micro_batch_size=cfg.train.micro_batch_size,
+        max_seq_length=cfg.data.max_seq_length,
+        packing=cfg.data.packing,
+        pad_id=0,  # set once the tokenizer is loaded
+        seed=cfg.train.seed,
+    )
+    total_steps = _total_steps(cfg, batches.batches_per_epoch(), device)
+
+    tokenizer = load_tokenizer(cfg.model)
+    batches.pad_id = tokenizer.pad_token_id
+    model = _build_model(cfg, ds_config, total_steps)
+    trainable, total = adapters.parameter_counts(model)
+    log_rank0("model %s: %s trainable of %s parameters (%.3f%%), method %s, ZeRO-%d%s, world %d",
+              cfg.model.name_or_path, f"{trainable:,}", f"{total:,}", 100 * trainable / total, cfg.adapter.method,
+              cfg.deepspeed.stage, _offload_label(cfg), world)
+
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=_build_optimizer(model, cfg),
+        lr_scheduler=lambda optimizer: _build_scheduler(optimizer, cfg, total_steps),
+        config=ds_config,
+        dist_init_required=False,
+    )
+    if cfg.adapter.method == "adalora":
+        # AdaLoRA reads the gradients after the optimizer step and before they are zeroed.
+        engine.optimizer.register_step_post_hook(lambda *_: engine.module.base_model.update_and_allocate(engine.global_steps))
+
+    start_step = _restore(engine, rank)
+    stream = batches.iterate(start=start_step * cfg.train.grad_accum_steps)
+    tracker = None
+    if rank == 0 and config.get("tracking"):
+        from zerolab.tracking import MetricsLogger
+
+        tracker = MetricsLogger(config["tracking"]["uri"], config["tracking"]["run_id"])
+        if start_step == 0:
+            from zerolab.tracking import log_params
+
+            log_params(config["tracking"]["uri"], config["tracking"]["run_id"],
+                       {"derived.trainable_params": trainable, "derived.total_params": total, "derived.total_steps": total_steps})
+
+    flops_per_token = perf.train_flops_per_token(total, trainable, cfg.adapter.method == "full")
+    peak_flops = perf.peak_flops(device) * world
+    window = torch.zeros(2, dtype=torch.float64, device=device)  # sum of step losses, non-padding tokens
+    window_steps, window_start = 0, time.perf_counter()
+    run_start = window_start
+    log_every, ckpt_every = cfg.train.log_every_n_steps, cfg.train.checkpoint_every_n_steps
+    metrics: dict[str, float] = {}
+
+    engine.train()
+    for step in range(start_step, total_steps):
+        micro: list[Batch] = [next(stream) for _ in range(cfg.train.grad_accum_steps)]
+        n_targets = torch.tensor(float(sum(b.num_targets for b in micro)), device=device)
+        dist.all_reduce(n_targets)
+        grad_norm = None
+        for b in micro:
+            inputs = {k: v.to(device, non_blocking=True) for k, v in b.inputs.items()}
+            out = engine(**inputs, num_items_in_batch=n_targets / world)
+            engine.backward(out.loss, scale_wrt_gas=False)
+            if engine.is_gradient_accumulation_boundary() and cfg.deepspeed.stage == 0 and (step + 1) % log_every == 0:
+                grad_norm = _grad_norm(engine)
+            engine.step()
+            window[0] += out.loss.detach().double()
+            window[1] += b.num_tokens
+        window_steps += 1
+
+        done = step + 1
+        if done % log_every == 0 or done == total_steps:
+            dist.all_reduce(window)
+            elapsed = time.perf_counter() - window_start
+            metrics = {
+                "train/loss": window[0].item() / (world * window_steps),
+                "train/lr": engine.lr_scheduler.get_last_lr()[0],
+                "perf/tokens_per_s": window[1].item() / elapsed,
+                "perf/step_s": elapsed / window_steps,
+                **perf.memory_metrics(device, ctx),
+            }
+            norm = grad_norm if grad_norm is not None else engine.get_global_grad_norm()
+            if norm is not None:
+                metrics["train/grad_norm"] = float(norm)
+            if peak_flops:
+                metrics["perf/mfu"] = metrics["perf/tokens_per_s"] * flops_per_token / peak_flops
+            eta = (total_steps - done) * metrics["perf/step_s"]
+            log_rank0("step %d/%d | loss %.4f | lr %.2e | %.0f tok/s | %.2f s/step | eta %s",
+                      done, total_steps, metrics["train/loss"], metrics["train/lr"], metrics["perf/tokens_per_s"],
+                      metrics["perf/step_s"], _hms(eta))
+            if tracker is not None:
+                tracker.log(metrics, step=done)
+            window.zero_()
+            window_steps, window_start = 0, time.perf_counter()
+
+        if done == total_steps or (ckpt_every and done % ckpt_every == 0):
+            final = done == total_steps
+            report = {"step": done, **metrics}
+            if final:
+                report["perf/wall_s"] = time.perf_counter() - run_start
+            if _has_eval():
+                report["eval/loss"] = evaluate_loss(engine, cfg, device)
+                log_rank0("step %d eval/loss %.4f", done, report["eval/loss"])
+                if tracker is not None:
+                    tracker.log({"eval/loss": report["eval/loss"]}, step=done)
+            _save_and_report(engine, cfg, tokenizer, done, report, final=final)
+
+
+def _total_steps(cfg: SFTConfig, batches_per_epoch: int, device: torch.device) -> int:
+    """``train.max_steps``, or epochs × the smallest rank's optimizer steps per epoch (packing makes
+    shards pack into different numbers of batches)."""
+    if cfg.train.max_steps:
+        return cfg.train.max_steps
+    n = torch.tensor(batches_per_epoch, device=device)
+    dist.all_reduce(n, op=dist.ReduceOp.MIN)
+    return max(1, cfg.train.num_epochs * (int(n.item()) // cfg.train.grad_accum_steps))
+
+
+def _build_model(cfg: SFTConfig, ds_config: dict, total_steps: int) -> torch.nn.Module:
+    dtype = DTYPES[cfg.precision()]
+    if cfg.deepspeed.stage == 3:
+        # Keeps a global reference that makes from_pretrained partition weights as they load
+        # (deepspeed.zero.Init), so no rank ever holds the whole model.
+        from transformers.integrations import HfDeepSpeedConfig
+
+        _build_model.hf_ds_config = HfDeepSpeedConfig(ds_config)  # type: ignore[attr-defined]
+    model = load_model(cfg.model, dtype)
+    model.config.use_cache = False
+    if cfg.model.gradient_checkpointing and cfg.adapter.is_peft():
+        model.enable_input_require_grads()
+    return adapters.apply_adapter(model, cfg.adapter, total_steps)
+
+
+def _build_optimizer(model: torch.nn.Module, cfg: SFTConfig) -> torch.optim.Optimizer:
+    """AdamW over trainable parameters; no weight decay on biases, norms and DoRA magnitudes (1-D).
+
+    Torch's fused AdamW on GPU (no DeepSpeed JIT build on the critical path); DeepSpeedCPUAdam when
+    optimizer states are offloaded, since DeepSpeed rejects other optimizers with offload.
+    """
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if cfg.deepspeed.offload_optimizer:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=cfg.train.lr, betas=(0.9, 0.999), adamw_mode=True)
+    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(0.9, 0.999), fused=cfg.scaling.use_gpu or None)
+
+
+def _build_scheduler(optimizer: torch.optim.Optimizer, cfg: SFTConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    warmup = int(cfg.train.warmup_ratio * total_steps)
+    kind = cfg.train.lr_scheduler
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        if kind == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+        if kind == "linear":
+            return max(0.0, 1.0 - progress)
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _grad_norm(engine: Any) -> torch.Tensor:
+    """Global gradient norm for ZeRO-0, where DeepSpeed does not keep one (gradients are all-reduced)."""
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])) if grads else torch.zeros(())
+
+
+def evaluate_loss(engine: Any, cfg: SFTConfig, device: torch.device) -> float:
+    """Token-weighted mean loss over the whole eval split. Every rank runs the same number of
+    forward passes (ZeRO-3 gathers parameters collectively); a rank with fewer batches repeats
+    one with zero weight."""
+    import ray.train
+
+    evals = MicroBatches(load_shard(ray.train.get_dataset_shard("eval")), micro_batch_size=cfg.train.micro_batch_size,
+                         max_seq_length=cfg.data.max_seq_length, packing=False, pad_id=0, seed=0)
+    batches = evals.sequential()
+    n = torch.tensor(len(batches), device=device)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    filler = batches[0] if batches else _filler_batch()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    engine.eval()
+    with torch.no_grad():
+        for i in range(int(n.item())):
+            b, weight = (batches[i], 1) if i < len(batches) else (filler, 0)
+            inputs = {k: v.to(device) for k, v in b.inputs.items()}
+            out = engine(**inputs, num_items_in_batch=max(b.num_targets, 1))
+            totals[0] += weight * out.loss.double() * b.num_targets
+            totals[1] += weight * b.num_targets
+    engine.train()
+    dist.all_reduce(totals)
+    return (totals[0] / totals[1].clamp(min=1)).item()
+
+
+def _filler_batch() -> Batch:
+    ids = np.array([0, 0], dtype=np.int64)
+    return MicroBatches([(ids, np.array([-100, 0]))], micro_batch_size=1, max_seq_length=2, packing=False, pad_id=0, seed=0).sequential()[0]
+
+
+def _has_eval() -> bool:
+    import ray.train
+
+    try:
+        ray.train.get_dataset_shard("eval")
+    except KeyError:
+        return False
+    return True
+
+
+def _save_and_report(engine: Any, cfg: SFTConfig, tokenizer: Any, step: int, metrics: dict, *, final: bool) -> None:
+    """Every rank saves its DeepSpeed shard (a collective) and reports; rank 0 adds the adapter."""
+    import ray.train
+    from ray.train import Checkpoint
+
+    rank = dist.get_rank()
+    tmp = Path(tempfile.mkdtemp(prefix="zerolab-ckpt-"))
+    try:
+        engine.save_checkpoint(str(tmp / "deepspeed"), tag="state", client_state={"step": step})
+        torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+        state = _gather_for_save(engine, full=not cfg.adapter.is_peft())
+        if rank == 0:
+            n = adapters.save_trained(engine.module, state, tmp / "adapter", tokenizer)
+            log_rank0("saved %s (%d tensors, checked) at step %d", "adapter" if cfg.adapter.is_peft() else "model", n, step)
+        dist.barrier()
+        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(str(tmp)), checkpoint_dir_name=f"checkpoint_{step:07d}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _gather_for_save(engine: Any, *, full: bool) -> dict[str, torch.Tensor]:
+    """Full CPU tensors of what gets saved (rank 0; empty elsewhere). Under ZeRO-3 the parameters
+    are gathered from all ranks first, which every rank must join."""
+    import deepspeed
+
+    module = engine.module
+    rank0 = dist.get_rank() == 0
+    if engine.zero_optimization_stage() == 3:
+        if full:
+            state = engine._zero3_consolidated_16bit_state_dict()
+            return state if rank0 else {}
+        params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+            return {n: p.detach().cpu().clone() for n, p in params} if rank0 else {}
+    if not rank0:
+        return {}
+    if full:
+        return {k: v.detach().cpu() for k, v in module.state_dict().items()}
+    return {n: p.detach().cpu().clone() for n, p in module.named_parameters() if p.requires_grad}
+
+
+def _restore(engine: Any, rank: int) -> int:
+    """Load the checkpoint Ray Train hands over (a retry or a relaunch); returns the step to start at."""
+    import ray.train
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return 0
+    with checkpoint.as_directory() as folder:
+        path, client_state = engine.load_checkpoint(str(Path(folder) / "deepspeed"), tag="state")
+        if path is None:
+            raise RuntimeError(f"checkpoint {checkpoint.path} holds no DeepSpeed state; it is incomplete or corrupt")
+        rng_file = Path(folder) / f"rng_rank{rank}.pt"
+        if rng_file.is_file():
+            _set_rng_state(torch.load(rng_file, weights_only=False))
+    step = int(client_state["step"])
+    log_rank0("resumed from %s at step %d", checkpoint.path, step)
+    return step
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _setup_worker_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("zerolab").setLevel(logging.INFO)
+    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "transformers", "peft"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_warning()
+
+
+def _offload_label(cfg: SFTConfig) -> str:
+    parts = [name for name, on in (("optimizer", cfg.deepspeed.offload_optimizer), ("params", cfg.deepspeed.offload_param)) if on]
+    return f" + offload {'/'.join(parts)}" if parts else ""
+
+
+def _hms(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
