@@ -101,16 +101,16 @@ class DataSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainSpec:
-    micro_batch_size: int = 8
+    micro_batch_size: int = 16
     """Samples (packed rows with `data.packing`) per worker per forward pass."""
     grad_accum_steps: int = 1
     """Micro-batches accumulated per optimizer step."""
     max_steps: int | None = None
     """Optimizer steps to run; empty: `num_epochs` passes over the data."""
-    num_epochs: int = 1
+    num_epochs: int = 2
     """Passes over the training data when `max_steps` is empty."""
-    lr: float = 1e-4
-    """Peak learning rate."""
+    lr: float = 3e-3
+    """Peak learning rate (the default suits the tiny built-in model; real models want ~1e-4, as in jobs/configs/)."""
     lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     """Decay after warm-up."""
     warmup_ratio: float = 0.03
@@ -123,7 +123,7 @@ class TrainSpec:
     """`auto`: bf16 on GPU, fp32 on CPU."""
     seed: int = 42
     """Seed of model init, adapter init, dropout and data order."""
-    log_every_n_steps: int = 5
+    log_every_n_steps: int = 10
     """Report metrics every N optimizer steps (each report synchronises the device)."""
     checkpoint_every_n_steps: int | None = None
     """Save a resumable checkpoint every N steps; one is always saved at the end."""
@@ -187,8 +187,9 @@ class SFTConfig:
         """Build and validate; raises ConfigError listing every problem."""
         problems: list[str] = []
         cfg = _build(cls, raw, "", problems)
-        if not problems:
-            problems.extend(validate(cfg))
+        # Fields that failed to parse kept their defaults; report the rest of the checks too.
+        bad_keys = {p.split(":", 1)[0] for p in problems}
+        problems.extend(p for p in validate(cfg) if p.split(":", 1)[0] not in bad_keys)
         if problems:
             raise ConfigError(problems)
         return cfg
@@ -339,6 +340,14 @@ def validate(cfg: SFTConfig) -> list[str]:
 
 # --- generic dataclass <-> dict machinery -------------------------------------------------
 
+_ALIASES = {
+    "rank": "r", "lora_r": "r", "lora_rank": "r", "lora_alpha": "alpha", "lora_dropout": "dropout",
+    "learning_rate": "lr", "batch_size": "micro_batch_size", "per_device_train_batch_size": "micro_batch_size",
+    "gradient_accumulation_steps": "grad_accum_steps", "zero_stage": "stage", "num_train_epochs": "num_epochs",
+    "model_name_or_path": "name_or_path", "model": "name_or_path", "max_length": "max_seq_length",
+}
+"""Names other fine-tuning tools use for our keys, for 'did you mean' hints."""
+
 
 def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
     where = prefix.rstrip(".") or "config"
@@ -351,7 +360,7 @@ def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     for key in raw:
         if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
+            close = [_ALIASES[key]] if _ALIASES.get(key) in names else difflib.get_close_matches(str(key), names, n=1)
             hint = f"did you mean '{prefix}{close[0]}'?" if close else f"valid keys: {', '.join(names)}"
             problems.append(f"{prefix}{key}: unknown key; {hint}")
     kwargs = {}
@@ -399,6 +408,12 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool), value
     if tp is float:
+        if isinstance(value, str):
+            # PyYAML (YAML 1.1) reads exponent forms such as 3e-4 as strings.
+            try:
+                return True, float(value)
+            except ValueError:
+                return False, None
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         return ok, float(value) if ok else None
     if tp is str:
@@ -429,6 +444,16 @@ def _to_plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_to_plain(v) for v in value]
     return value
+
+
+def reference_markdown() -> str:
+    """The README's configuration reference table (regenerate with
+    ``python -c "from zerolab.config import reference_markdown as r; print(r())"``)."""
+    lines = ["| key | default | meaning |", "|---|---|---|"]
+    for key, default, doc in reference_rows():
+        shown = f"`{default}`" if default else "—"
+        lines.append(f"| `{key}` | {shown} | {doc} |")
+    return "\n".join(lines)
 
 
 def reference_rows() -> list[tuple[str, str, str]]:

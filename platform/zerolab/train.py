@@ -19,6 +19,7 @@ import random
 import shutil
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -351,6 +352,8 @@ def _setup_worker_logging() -> None:
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "transformers", "peft"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # DeepSpeed still calls torch.distributed's deprecated collectives on every step.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     import transformers
 
     transformers.utils.logging.disable_progress_bar()

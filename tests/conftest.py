@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny configs, one local Ray cluster per session, a temp MLflow store."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def tiny_overrides(tmp_path: Path, **extra: object) -> list[str]:
+    """Overrides for a short CPU run: small generated data, few steps, temp storage and MLflow."""
+    values: dict[str, object] = {
+        "data.num_train_rows": 192,
+        "data.num_eval_rows": 32,
+        "train.micro_batch_size": 8,
+        "train.max_steps": 10,
+        "train.log_every_n_steps": 2,
+        "run.name": f"t-{uuid.uuid4().hex[:8]}",
+        "run.storage_path": str(tmp_path / "runs"),
+        "tracking.uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "tracking.experiment": "tests",
+    }
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray instance for the whole session (starting Ray costs seconds each time)."""
+    import ray
+
+    from zerolab.config import load_config
+    from zerolab.run import connect_ray
+
+    connect_ray(load_config(None, []))
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> str:
+    from zerolab.models import build_tiny_model
+
+    return str(build_tiny_model())

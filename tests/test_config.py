@@ -1,0 +1,109 @@
+"""Config loading and validation: every problem reported at once, with key and fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zerolab.config import ConfigError, SFTConfig, load_config, reference_markdown, reference_rows
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def problems(overrides: list[str]) -> list[str]:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    return err.value.problems
+
+
+def test_embedded_default_is_valid_and_round_trips():
+    cfg = load_config(None, [])
+    assert cfg.model.name_or_path == "builtin:tiny-qwen2"
+    assert cfg.deepspeed.stage == 2 and cfg.scaling.num_workers == 2 and not cfg.scaling.use_gpu
+    assert SFTConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_overrides_are_typed_from_yaml():
+    cfg = load_config(None, ["adapter.r=16", "deepspeed.stage=3", "adapter.target_modules=[q_proj,v_proj]", "train.lr=3e-4"])
+    assert cfg.adapter.r == 16 and cfg.deepspeed.stage == 3
+    assert cfg.adapter.target_modules == ("q_proj", "v_proj")
+    assert cfg.train.lr == pytest.approx(3e-4)  # YAML 1.1 reads 3e-4 as a string
+
+
+def test_every_problem_is_reported_together_with_key_and_fix():
+    found = problems([
+        "adapter.rank=4",            # unknown key
+        "adapter.method=qlora",      # bad enum
+        "train.micro_batch_size=0",  # bad number
+        "train.lr=fast",             # wrong type
+        "deepspeed.stage=0",
+        "deepspeed.offload_optimizer=true",  # stage 0 cannot offload
+        "deepspeed.offload_param=true",      # needs stage 3
+    ])
+    text = "\n".join(found)
+    assert len(found) >= 5, text
+    assert "adapter.rank: unknown key; did you mean 'adapter.r'?" in text
+    assert "adapter.method: 'qlora' is not one of 'full', 'lora', 'dora', 'rslora', 'adalora'" in text
+    assert "train.lr: 'fast' is not a number" in text
+
+
+def test_cross_field_problems_come_together():
+    found = problems(["train.micro_batch_size=0", "deepspeed.stage=0", "deepspeed.offload_optimizer=true", "deepspeed.offload_param=true"])
+    keys = {p.split(":")[0] for p in found}
+    assert {"train.micro_batch_size", "deepspeed.offload_optimizer", "deepspeed.offload_param"} <= keys
+
+
+def test_adalora_rejects_partitioned_stages():
+    found = problems(["adapter.method=adalora", "deepspeed.stage=2"])
+    assert any(p.startswith("adapter.method: adalora with deepspeed.stage=2") for p in found)
+    load_config(None, ["adapter.method=adalora", "deepspeed.stage=0"])
+
+
+def test_missing_paths_and_custom_task():
+    found = problems(["data.task=custom", "data.eval_path=/nonexistent/eval.jsonl"])
+    assert any(p.startswith("data.train_path: required when data.task=custom") for p in found)
+    assert any(p.startswith("data.eval_path: no such file") for p in found)
+
+
+def test_cpu_only_settings():
+    found = problems(["train.precision=fp16", "model.attn_implementation=flash_attention_2"])
+    assert {p.split(":")[0] for p in found} == {"train.precision", "model.attn_implementation"}
+
+
+def test_unknown_section_and_bad_override_syntax():
+    assert problems(["trainer.lr=1"])[0].startswith("trainer: unknown key")
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        load_config(None, ["lr"])
+
+
+def test_every_shipped_job_config_loads():
+    files = sorted((REPO / "jobs" / "configs").rglob("*.yaml"))
+    assert files, "no job configs shipped"
+    for f in files:
+        if f.name.endswith("_space.yaml"):
+            continue
+        cfg = load_config(f)
+        first = f.read_text().splitlines()[0]
+        assert first.startswith("# ") and f"jobs/configs/{f.name}" in first, f"{f.name} must open with the command that runs it"
+        assert cfg.run.name
+
+
+def test_reference_documents_every_field_and_readme_matches():
+    rows = reference_rows()
+    assert len(rows) == len(SFTConfig().flat())
+    assert all(doc for _, _, doc in rows), [key for key, _, doc in rows if not doc]
+    assert reference_markdown() in (REPO / "README.md").read_text(), "README's config reference is stale; regenerate it"
+
+
+def test_bad_config_exits_2_with_message_and_no_traceback():
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "jobs" / "sft.py"), "--set", "deepspeed.stage=5", "--set", "adapter.r=-1"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "deepspeed.stage: 5 is not one of 0, 1, 2, 3" in proc.stderr
+    assert "adapter.r: -1 is not allowed" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
