@@ -49,7 +49,13 @@ def resolve_model_path(name_or_path: str) -> str:
         return str(build_tiny_model())
     if name_or_path.startswith("builtin:"):
         raise ModelLoadError(f"model.name_or_path: unknown built-in model '{name_or_path}'; the built-in one is '{BUILTIN_TINY_MODEL}'")
+    if _looks_like_path(name_or_path) and not Path(name_or_path).expanduser().exists():
+        raise ModelLoadError(f"could not load the model '{name_or_path}': there is no folder '{name_or_path}'; check model.name_or_path")
     return name_or_path
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1
 
 
 def build_tiny_model(root: Path | None = None) -> Path:
@@ -218,10 +224,8 @@ def linear_module_names(spec: ModelSpec) -> set[str]:
 
 
 def _load_failure(name: str, what: str, exc: Exception) -> str:
-    if Path(name).expanduser().exists() or name.startswith(("/", ".", "~")):
-        hint = f"the folder '{name}' exists but does not hold a loadable Hugging Face {what} (config.json, tokenizer files, weights); point model.name_or_path at the saved model folder"
-        if not Path(name).expanduser().exists():
-            hint = f"there is no folder '{name}'; check model.name_or_path"
+    if Path(name).expanduser().exists():
+        hint = f"the folder '{name}' does not hold a loadable Hugging Face {what} (config.json, tokenizer files, weights); point model.name_or_path at the saved model folder"
     else:
         hint = (
             f"'{name}' is not a local folder, so it was looked up as a Hugging Face hub id; if this machine has no "

@@ -179,6 +179,8 @@ def _build_model(cfg: SFTConfig, ds_config: dict, total_steps: int) -> torch.nn.
 
         _build_model.hf_ds_config = HfDeepSpeedConfig(ds_config)  # type: ignore[attr-defined]
     model = load_model(cfg.model, dtype)
+    # Training needs no KV cache, and with one transformers ignores the per-sample position ids
+    # of packed batches: packed samples would attend to each other.
     model.config.use_cache = False
     if cfg.model.gradient_checkpointing and cfg.adapter.is_peft():
         model.enable_input_require_grads()

@@ -1,0 +1,53 @@
+"""DeepSpeed JSON resolution: every shipped file resolves, contradictions are all reported."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from zerolab import ds_config
+from zerolab.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "ds_configs").rglob("*.json")), ids=lambda p: p.name)
+def test_every_shipped_file_resolves(path):
+    raw = json.loads(path.read_text())
+    stage = raw["zero_optimization"]["stage"]
+    zero = raw["zero_optimization"]
+    overrides = [f"deepspeed.stage={stage}", f"deepspeed.config={path}", "train.micro_batch_size=4", "train.grad_accum_steps=3"]
+    if "offload_optimizer" in zero:
+        overrides.append("deepspeed.offload_optimizer=true")
+    if "offload_param" in zero:
+        overrides.append("deepspeed.offload_param=true")
+    resolved = ds_config.resolve(load_config(None, overrides), hidden_size=64)
+    assert resolved["train_batch_size"] == 4 * 3 * 2
+    assert resolved["train_micro_batch_size_per_gpu"] == 4 and resolved["gradient_accumulation_steps"] == 3
+    assert resolved["bf16"]["enabled"] is False and resolved["fp16"]["enabled"] is False  # CPU: fp32
+    assert "auto" not in json.dumps(resolved)
+
+
+def test_default_file_follows_stage_and_offload():
+    assert ds_config.config_path(load_config(None, ["deepspeed.stage=3", "deepspeed.offload_param=true"])).name == "zero3_offload.json"
+    assert ds_config.config_path(load_config(None, ["deepspeed.stage=1", "deepspeed.offload_optimizer=true"])).name == "zero1.json"
+    cfg = load_config(None, ["deepspeed.stage=1", "deepspeed.offload_optimizer=true"])
+    assert ds_config.resolve(cfg, 64)["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+
+
+def test_contradictions_are_reported_together(tmp_path):
+    bad = {"train_batch_size": 64, "gradient_clipping": 5.0, "optimizer": {"type": "Adam"},
+           "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(bad))
+    cfg = load_config(None, ["deepspeed.stage=2", f"deepspeed.config={path}", "train.micro_batch_size=8"])
+    with pytest.raises(ConfigError) as err:
+        ds_config.resolve(cfg, 64)
+    text = "\n".join(err.value.problems)
+    assert "train_batch_size=64 but train.micro_batch_size × train.grad_accum_steps × scaling.num_workers = 8 × 1 × 2 gives 16" in text
+    assert "gradient_clipping=5.0" in text and "'optimizer' section" in text
+    assert "zero_optimization.stage=3 but deepspeed.stage gives 2" in text
+    assert "offloads offload_param to cpu but deepspeed.offload_param=false" in text
+    assert len(err.value.problems) == 5
