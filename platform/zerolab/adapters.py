@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -76,9 +77,15 @@ class SaveCheckError(RuntimeError):
     """A saved adapter or model is not what was trained (empty, missing tensors, wrong shapes)."""
 
 
+def full_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """The shape of a parameter before ZeRO-3 partitioning (its local tensor is empty)."""
+    return tuple(getattr(p, "ds_shape", p.shape))
+
+
 def verify_saved(folder: str | Path, expected: dict[str, tuple[int, ...]]) -> int:
-    """Check the safetensors in ``folder`` hold exactly ``expected`` (name -> shape), none empty or
-    non-finite; returns the tensor count. ZeRO-3 adapter saves that wrote empty tensors fail here."""
+    """Check the safetensors in ``folder`` hold exactly ``expected`` (name -> shape), none empty
+    (unless expected so: AdaLoRA can prune a module to rank 0) or non-finite; returns the count.
+    ZeRO-3 adapter saves that wrote un-gathered, empty tensors fail here."""
     from safetensors import safe_open
 
     folder = Path(folder)
@@ -92,8 +99,8 @@ def verify_saved(folder: str | Path, expected: dict[str, tuple[int, ...]]) -> in
         with safe_open(str(f), framework="pt") as st:
             for key in st.keys():
                 t = st.get_tensor(key)
-                if t.numel() == 0:
-                    raise SaveCheckError(f"{f}: tensor {key} is empty (shape {tuple(t.shape)}); gathering under ZeRO-3 failed")
+                if t.numel() == 0 and math.prod(expected.get(key, (1,))) != 0:
+                    raise SaveCheckError(f"{f}: tensor {key} is empty (shape {tuple(t.shape)}); it was saved without being gathered")
                 if t.is_floating_point() and not torch.isfinite(t).all():
                     raise SaveCheckError(f"{f}: tensor {key} holds NaN or Inf")
                 found[key] = tuple(t.shape)
@@ -118,6 +125,9 @@ def save_trained(model: torch.nn.Module, state: dict[str, torch.Tensor], folder:
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    for name, p in model.named_parameters():
+        if name in state and tuple(state[name].shape) != full_shape(p):
+            raise SaveCheckError(f"{name}: gathered shape {tuple(state[name].shape)} but the parameter is {full_shape(p)}; ZeRO-3 gathering failed")
     if isinstance(model, PeftModel):
         expected_state = get_peft_model_state_dict(model, state_dict=state)
         model.save_pretrained(str(folder), state_dict=state)

@@ -1,0 +1,95 @@
+"""`ray job submit` against a `ray start --head` cluster, from a Python environment that has the
+dependencies but not zerolab: the job must ship zerolab to its workers itself."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env_without_zerolab(root: Path) -> Path:
+    """A venv that sees this environment's packages (a plain path in a .pth file) but not the
+    editable zerolab install (whose own .pth is not processed from there)."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+    site = next(root.glob("lib/python*/site-packages"))
+    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return root / "bin" / "python"
+
+
+def test_ray_job_submit_ships_zerolab(tmp_path, tiny_model_path):
+    python = env_without_zerolab(tmp_path / "env")
+    probe = subprocess.run([str(python), "-c", "import ray, deepspeed, peft, mlflow; import zerolab"], capture_output=True, text=True)
+    assert "No module named 'zerolab'" in probe.stderr, probe.stderr
+
+    work = tmp_path / "checkout"
+    for part in ("platform", "jobs", "ds_configs"):
+        shutil.copytree(REPO / part, work / part, ignore=shutil.ignore_patterns("__pycache__"))
+    config = {
+        "data": {"num_train_rows": 96, "num_eval_rows": 16},
+        "train": {"micro_batch_size": 8, "max_steps": 4, "log_every_n_steps": 2},
+        "run": {"name": "submitted", "storage_path": str(tmp_path / "runs")},
+        "tracking": {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "submit"},
+    }
+    (work / "small.yaml").write_text(yaml.safe_dump(config))
+
+    # Token authentication, as a real cluster should run: the head and the client share a token.
+    token = tmp_path / "ray_token"
+    token.write_text(secrets.token_hex(32))
+    env = {**os.environ, "PATH": f"{python.parent}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    env.pop("RAY_ADDRESS", None)
+    ports = {"--port": free_port(), "--dashboard-port": free_port(), "--ray-client-server-port": free_port()}
+    head = subprocess.Popen(
+        [str(python), "-m", "ray.scripts.scripts", "start", "--head", "--block", "--num-cpus=2", "--include-dashboard=true",
+         *[f"{k}={v}" for k, v in ports.items()]],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    address = f"http://127.0.0.1:{ports['--dashboard-port']}"
+    try:
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            ok = subprocess.run([str(python), "-m", "ray.scripts.scripts", "job", "list", "--address", address],
+                                env=env, capture_output=True, text=True)
+            if ok.returncode == 0:
+                break
+            time.sleep(2)
+        else:
+            pytest.fail(f"the Ray head did not come up: {ok.stderr[-2000:]}")
+        submit = subprocess.run(
+            [str(python), "-m", "ray.scripts.scripts", "job", "submit", "--address", address, "--working-dir", str(work),
+             "--", "python", "jobs/sft.py", "--config", "small.yaml"],
+            env=env, capture_output=True, text=True, timeout=600,
+        )
+        output = submit.stdout + submit.stderr
+        assert submit.returncode == 0 and "' succeeded" in output, output[-4000:]
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        head.wait(timeout=60)
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(config["tracking"]["uri"])
+    runs = client.search_runs([client.get_experiment_by_name("submit").experiment_id])
+    assert [r.info.run_name for r in runs] == ["submitted"] and runs[0].info.status == "FINISHED"
+    assert len(client.get_metric_history(runs[0].info.run_id, "train/loss")) == 2
+    assert client.list_artifacts(runs[0].info.run_id, "adapter")
