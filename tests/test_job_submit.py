@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,9 +59,11 @@ def test_ray_job_submit_ships_zerolab(tmp_path, tiny_model_path):
     token.write_text(secrets.token_hex(32))
     env = {**os.environ, "PATH": f"{python.parent}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
     env.pop("RAY_ADDRESS", None)
+    ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths have a length limit
     ports = {"--port": free_port(), "--dashboard-port": free_port(), "--ray-client-server-port": free_port()}
     head = subprocess.Popen(
         [str(python), "-m", "ray.scripts.scripts", "start", "--head", "--block", "--num-cpus=2", "--include-dashboard=true",
+         f"--temp-dir={ray_tmp}",  # its own session files: nothing left behind for other drivers to find
          *[f"{k}={v}" for k, v in ports.items()]],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
@@ -85,6 +88,7 @@ def test_ray_job_submit_ships_zerolab(tmp_path, tiny_model_path):
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         head.wait(timeout=60)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
     from mlflow import MlflowClient
 

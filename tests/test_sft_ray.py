@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_overrides
 
+from conftest import tiny_overrides
 from zerolab import adapters
-from zerolab.config import AdapterSpec, ModelSpec, load_config
+from zerolab.config import ModelSpec, load_config
 from zerolab.models import load_model
 from zerolab.run import run_sft
 

@@ -3,6 +3,7 @@ worker starts, prepare the data, open the MLflow run and run the ``TorchTrainer`
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import os
@@ -17,7 +18,7 @@ import yaml
 import zerolab
 from zerolab import ds_config, tracking
 from zerolab.config import ConfigError, SFTConfig
-from zerolab.data import DataError, SplitReport, prepare_split
+from zerolab.data import DataError, SplitReport, prepare_split, quiet_ray_data_logging
 from zerolab.models import cache_dir, linear_module_names, resolve_model_path
 from zerolab.tasks import generate_dataset, get_task
 
@@ -72,8 +73,9 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None) -> RunResu
 
 
 def connect_ray(cfg: SFTConfig) -> None:
-    """Join the cluster of ``ray job submit`` (RAY_ADDRESS) or start a local one. zerolab itself is
-    shipped to the workers with the job (``py_modules``), so they need not have it installed."""
+    """Join the cluster named by RAY_ADDRESS (set by ``ray job submit``; ``auto`` joins a local
+    ``ray start`` cluster) or start a local one. zerolab itself is shipped to the workers with the
+    job (``py_modules``), so they need not have it installed."""
     import ray
 
     if ray.is_initialized():
@@ -84,7 +86,9 @@ def connect_ray(cfg: SFTConfig) -> None:
     if "ZEROLAB_CACHE" in os.environ:
         env_vars["ZEROLAB_CACHE"] = os.environ["ZEROLAB_CACHE"]
     runtime_env = {"py_modules": [str(Path(zerolab.__file__).parent)], "env_vars": env_vars}
-    address = os.environ.get("RAY_ADDRESS")
+    # Under `ray job submit` RAY_ADDRESS names the cluster; otherwise start a fresh local instance
+    # rather than joining whatever `ray start` left registered on this machine.
+    address = os.environ.get("RAY_ADDRESS") or "local"
     try:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True, logging_level=logging.WARNING)
     except ConnectionError as exc:
@@ -92,9 +96,7 @@ def connect_ray(cfg: SFTConfig) -> None:
             f"could not reach the Ray cluster at RAY_ADDRESS={address!r} ({exc}). Start one with "
             "`ray start --head`, fix RAY_ADDRESS, or unset it to run on a local Ray instance."
         ) from None
-    import ray.data
-
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    quiet_ray_data_logging()
 
 
 def check_resources(cfg: SFTConfig) -> None:
@@ -191,25 +193,19 @@ def run_tags(cfg: SFTConfig) -> dict[str, str]:
 
 
 def derived_params(cfg: SFTConfig, reports: dict[str, SplitReport]) -> dict[str, Any]:
-    import deepspeed
-    import peft
-    import ray
-    import torch
-    import transformers
-
     params: dict[str, Any] = {
         "derived.world_size": cfg.world_size(),
         "derived.global_batch_size": cfg.global_batch_size(),
         "derived.precision": cfg.precision(),
         "derived.deepspeed_config": str(ds_config.config_path(cfg)),
-        "versions.zerolab": zerolab.__version__,
         "versions.python": _platform.python_version(),
-        "versions.torch": torch.__version__,
-        "versions.ray": ray.__version__,
-        "versions.deepspeed": deepspeed.__version__,
-        "versions.transformers": transformers.__version__,
-        "versions.peft": peft.__version__,
     }
+    # Read from package metadata: importing DeepSpeed on the driver would probe accelerators.
+    for package in ("zerolab", "torch", "ray", "deepspeed", "transformers", "peft", "mlflow"):
+        try:
+            params[f"versions.{package}"] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            params[f"versions.{package}"] = zerolab.__version__ if package == "zerolab" else "unknown"
     for split, report in reports.items():
         params[f"data.{split}.fingerprint"] = report.fingerprint[:16]
         params[f"data.{split}.rows_used"] = report.rows_used

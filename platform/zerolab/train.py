@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from zerolab import adapters, perf
 from zerolab.config import SFTConfig
-from zerolab.data import Batch, MicroBatches, load_shard
+from zerolab.data import Batch, MicroBatches, load_shard, quiet_ray_data_logging
 from zerolab.models import load_model, load_tokenizer
 
 logger = logging.getLogger("zerolab.train")
@@ -353,6 +353,7 @@ def _setup_worker_logging() -> None:
     logging.getLogger("zerolab").setLevel(logging.INFO)
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "transformers", "peft"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    quiet_ray_data_logging()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # DeepSpeed still calls torch.distributed's deprecated collectives on every step.
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
