@@ -151,6 +151,8 @@ class ScalingSpec:
     """Train on GPUs (NCCL) instead of CPUs (gloo, DeepSpeed's CPU accelerator)."""
     cpus_per_worker: float = 1.0
     """CPUs reserved for each worker."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How Ray places the workers: PACK fills nodes (fast NVLink/shm), SPREAD spreads them over nodes."""
 
 
 @dataclass(frozen=True, kw_only=True)

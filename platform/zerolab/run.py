@@ -244,7 +244,8 @@ def build_trainer(cfg: SFTConfig, resolved_ds: dict[str, Any], datasets: dict[st
             "tracking": {"uri": uri, "run_id": run_id} if run_id else None,
         },
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
-        scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=resources),
+        scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=resources,
+                                     placement_strategy=s.placement_strategy),
         run_config=RunConfig(
             name=cfg.run.name,
             storage_path=storage_path(cfg),
