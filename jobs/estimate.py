@@ -1,0 +1,130 @@
+"""Estimate a job's memory per GPU and per node for every ZeRO stage × offload option, before launching.
+
+    python jobs/estimate.py --config jobs/configs/math_qwen2.5_7b_lora.yaml
+    python jobs/estimate.py --config jobs/configs/math_qwen2.5_7b_lora.yaml --gpus 1 --gpu-mem 24GiB --host-mem 64GiB
+    python jobs/estimate.py --config jobs/configs/math_qwen2.5_7b_lora.yaml --stages 0,3 --offload none,all --set adapter.r=16
+
+Reads the model's config only (no weights; a hub id needs the config in the local cache or the
+network) and starts nothing. Without --gpus/--gpu-mem/--host-mem it checks against this machine.
+Exit codes: 0 a config fits (the job's own option or another one), 1 nothing fits, 2 bad
+configuration or model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bootstrap  # noqa: E402,F401  (makes zerolab importable from a checkout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="job YAML (default: the embedded default job)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. --set adapter.r=16")
+    parser.add_argument("--gpus", type=int, help="GPUs per node of the planned machine")
+    parser.add_argument("--gpu-mem", help="memory of each GPU of the planned machine, e.g. 24GiB or 80GB")
+    parser.add_argument("--host-mem", help="host RAM per node of the planned machine, e.g. 64GiB")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes of the planned machine (default 1)")
+    parser.add_argument("--stages", help="comma-separated ZeRO stages to show (default: all)")
+    parser.add_argument("--offload", help="comma-separated offload modes to show: none, optimizer, all (default: all)")
+    args = parser.parse_args(argv)
+
+    from zerolab.cli import USER_ERROR
+    from zerolab.config import ConfigError, load_config
+    from zerolab.memory import MemoryEstimateError, Option, format_table, load_model_config, plan_options, recommend
+    from zerolab.models import ModelLoadError
+
+    try:
+        cfg = load_config(args.config, args.set)
+        limits = _limits(args)
+        options = _options(args.stages, args.offload)
+        model_config = load_model_config(cfg)
+        rows = plan_options(cfg, model_config, limits, options=options)
+        rec = recommend(cfg, model_config, limits, rows=rows)
+    except (ConfigError, ModelLoadError, MemoryEstimateError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return USER_ERROR
+
+    own = Option.of(cfg)
+    shown = next((r for r in rows if r.estimate is not None), None)
+    if shown is None:
+        print("error: none of the selected options is allowed for this config:", file=sys.stderr)
+        for row in rows:
+            print(f"  {row.option.label}: {row.invalid}", file=sys.stderr)
+        return USER_ERROR
+    est = shown.estimate
+    print(f"model      {cfg.model.name_or_path}: {est.shape.describe()}")
+    print(f"training   {cfg.adapter.method} ({est.trainable_params:,} trainable), {est.precision}, micro-batch "
+          f"{est.micro_batch_size} × {est.seq_len} tokens, {'gradient checkpointing, ' if est.gradient_checkpointing else ''}"
+          f"{est.world_size} {'GPU' if est.use_gpu else 'CPU'} worker(s)")
+    print(f"machine    {limits.describe()}")
+    print()
+    print(format_table(rows, limits))
+    for note in sorted({n for r in rows if r.estimate for n in r.estimate.notes}):
+        print(f"note: {note}")
+    print()
+    own_row = next((r for r in rows if r.option == own), None)
+    if own_row is not None and own_row.fit is not None:
+        print(f"this config ({own.label}): {own_row.fit.verdict} — {'; '.join(own_row.fit.reasons)}")
+    if rec is None:
+        print("recommendation: nothing fits, not even micro-batch 1 with gradient checkpointing; use more or larger GPUs, "
+              "shorten data.max_seq_length, or train an adapter instead of the full model")
+        return 1
+    overrides = [*rec.overrides, *rec.option.overrides()]
+    print(f"recommendation: {rec.reason}")
+    print(f"  run it with: --set {' --set '.join(overrides)}")
+    return 0
+
+
+def _limits(args: argparse.Namespace):  # -> zerolab.memory.Limits
+    from zerolab.config import ConfigError
+    from zerolab.memory import Limits, parse_size
+
+    planned = args.gpus is not None or args.gpu_mem is not None or args.host_mem is not None
+    if not planned:
+        return Limits.detect()
+    problems, sizes = [], {}
+    for flag, text in (("--gpu-mem", args.gpu_mem), ("--host-mem", args.host_mem)):
+        if text is not None:
+            try:
+                sizes[flag] = parse_size(text)
+            except ValueError as exc:
+                problems.append(f"{flag}: {exc}")
+    if args.gpus is not None and args.gpus < 0:
+        problems.append(f"--gpus: {args.gpus} is not allowed; give the number of GPUs per node (0 or more)")
+    if args.nodes < 1:
+        problems.append(f"--nodes: {args.nodes} is not allowed; give 1 or more")
+    if problems:
+        raise ConfigError(problems)
+    return Limits(gpu_mem_bytes=sizes.get("--gpu-mem"), gpus_per_node=args.gpus, host_mem_bytes=sizes.get("--host-mem"),
+                  num_nodes=args.nodes, source="planned")
+
+
+def _options(stages: str | None, offload: str | None):  # -> list[zerolab.memory.Option]
+    from zerolab.config import ConfigError
+    from zerolab.memory import ALL_OPTIONS
+
+    problems = []
+    wanted_stages = wanted_offload = None
+    if stages:
+        try:
+            wanted_stages = {int(s) for s in stages.split(",")}
+        except ValueError:
+            wanted_stages = set()
+        if not wanted_stages or not wanted_stages <= {0, 1, 2, 3}:
+            problems.append(f"--stages: {stages!r} is not a list of ZeRO stages; use e.g. 0,2,3")
+    if offload:
+        wanted_offload = set(offload.split(","))
+        if not wanted_offload <= {"none", "optimizer", "all"}:
+            problems.append(f"--offload: {offload!r} is not a list of none, optimizer, all; use e.g. none,all")
+    if problems:
+        raise ConfigError(problems)
+    return [o for o in ALL_OPTIONS if (wanted_stages is None or o.stage in wanted_stages)
+            and (wanted_offload is None or o.offload in wanted_offload)]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1234 @@
+"""Memory estimator and preflight: what a job needs per GPU and per node, before anything launches.
+
+:func:`estimate` turns a job config and the model's Hugging Face config (no weights are loaded)
+into an :class:`Estimate`: bytes per worker on the accelerator, component by component, and bytes
+per node of host RAM. :func:`plan_options` repeats it over ZeRO stage × offload, :func:`recommend`
+picks the fastest option that fits, and :func:`preflight` refuses a job that cannot fit with a
+:class:`MemoryPreflightError` naming the estimate, the limit and the options that would fit.
+
+The formulas follow what the training loop really does (``zerolab.train``):
+
+- the model is loaded in the training precision ``e`` bytes per element (bf16/fp16: 2, fp32: 4);
+  peft creates adapter weights in fp32 and DeepSpeed casts every parameter to bf16/fp16 at
+  ``deepspeed.initialize`` — except under ZeRO-3, whose parameters were partitioned at load time
+  (``zero.Init``) and are not cast, so there the adapters stay fp32 and so does their compute;
+- the client optimizer is torch AdamW (fp32 ``exp_avg`` and ``exp_avg_sq``: 8 bytes per trainable
+  parameter), or DeepSpeedCPUAdam in host memory under optimizer offload;
+- in bf16/fp16 DeepSpeed keeps an fp32 master copy of every trainable parameter (ZeRO-0: the whole
+  copy plus fp32 gradient copies at the step; ZeRO 1-3: this rank's partition), and ZeRO 1-3 keep
+  that fp32 partition even in fp32 training;
+- the loss is Hugging Face's ``ForCausalLMLoss`` on the full logits: the logits in ``e`` bytes,
+  upcast to fp32, log-softmax (fp32, saved), and in the backward two more fp32 tensors of the
+  logits' size; with 150k-token vocabularies this is often the largest single item;
+- every Ray Train worker is its own process with its own host RSS (Python, torch, CUDA runtime,
+  its dataset shard; on GPU the whole model passes through host memory while it loads).
+
+Sizes of saved activations were checked tensor by tensor against autograd's saved tensors on
+CPU (``tests/test_memory.py`` repeats that check on tiny models). Terms that depend on the
+software stack rather than on arithmetic (CUDA context, allocator fragmentation, process RSS) are
+the named constants of :class:`Calibration`, fitted from measurements with
+``jobs/calibrate_memory.py``; ``docs/memory.md`` lists every formula and the measured errors.
+
+Everything here is arithmetic on configs: importing this module starts nothing, and only
+:meth:`Limits.detect` looks at the machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from zerolab.config import AdapterSpec, ConfigError, SFTConfig, validate
+
+KIB, MIB, GIB = 1024, 1024**2, 1024**3
+
+OffloadMode = Literal["none", "optimizer", "all"]
+"""What ZeRO offloads to host memory: nothing, the optimizer (states, fp32 master weights and
+gradients), or the optimizer and the parameters (ZeRO-3 only)."""
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The linear modules of a Llama/Qwen2-style decoder layer, in forward order (peft's
+``all-linear`` selects exactly these: every linear layer except the output head)."""
+
+
+class MemoryEstimateError(ValueError):
+    """The memory of this job cannot be estimated (for instance an unsupported architecture)."""
+
+
+class MemoryPreflightError(MemoryEstimateError):
+    """The job cannot fit the memory it would run on. ``estimate``, ``limits``, ``fit`` and
+    ``fitting`` (the options that would fit, fastest first) are kept for callers."""
+
+    def __init__(self, message: str, *, estimate: Estimate, limits: Limits, fit: Fit, fitting: list[PlanRow]) -> None:
+        super().__init__(message)
+        self.estimate, self.limits, self.fit, self.fitting = estimate, limits, fit, fitting
+
+
+# --- calibration: every term that measurement, not arithmetic, decides ------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """Constants of the estimate that depend on the software stack rather than on the model's
+    arithmetic. The defaults are first guesses for GPUs (CPU values were measured on the test
+    machine); ``jobs/calibrate_memory.py`` measures real runs and prints fitted values."""
+
+    framework_device_bytes: int = 256 * MIB
+    """GPU memory that torch and DeepSpeed allocate through torch's allocator besides the model's
+    tensors: cuBLAS workspaces, communication staging tensors, RNG state, bookkeeping tensors."""
+    reserved_factor: float = 1.10
+    """Peak reserved / peak allocated of torch's caching allocator (block rounding, fragmentation)."""
+    cuda_context_bytes: int = 600 * MIB
+    """Per GPU process, outside torch's allocator (so not in ``mem/gpu_*``, but on the card): CUDA
+    context, loaded kernel images, cuBLAS/cuDNN handles."""
+    nccl_bytes: int = 512 * MIB
+    """Per GPU process when world size > 1, outside torch's allocator: NCCL communicator buffers."""
+    host_process_cpu_bytes: int = 760 * MIB
+    """Host RSS of one Ray Train worker training on CPU, without its tensors: Python, torch,
+    transformers, peft, DeepSpeed, Ray's worker runtime (measured: 0.79 GiB per worker for the tiny
+    model, whose tensors are a few MiB)."""
+    host_process_gpu_bytes: int = 2560 * MIB
+    """The same on a GPU worker: adds the CUDA runtime and the host side of the CUDA context, cuBLAS,
+    cuDNN and NCCL."""
+    host_load_factor: float = 1.0
+    """Host RSS of loading the weights, as a multiple of the bytes read. ``from_pretrained`` maps
+    the safetensors files and pages come in as they are read (moving to the GPU, or the ZeRO-3
+    copy into partitions on rank 0) and go when the last tensor of a file is dropped; a dtype
+    conversion adds a private copy. Measured on CPU: +1.0× the file once every tensor is read."""
+    host_ray_node_bytes: int = 3 * GIB
+    """Per node, outside the training workers (so not in ``mem/host_rss_peak_gib``): raylet, GCS,
+    dashboard, the driver with its tokenizer and Ray Data, idle pooled Ray workers."""
+    host_row_bytes: int = 400
+    """Host bytes per tokenized row held by a worker beyond its token ids and labels (Python and
+    numpy object overhead); the ids and labels add 16 bytes per token (two int64 arrays)."""
+
+
+DEFAULT_CALIBRATION = Calibration()
+
+RELATIVE_STEP_TIME: dict[tuple[int, OffloadMode], float] = {
+    (0, "none"): 1.0,
+    (1, "none"): 1.05,
+    (2, "none"): 1.1,
+    (3, "none"): 1.3,
+    (1, "optimizer"): 2.0,
+    (2, "optimizer"): 2.0,
+    (3, "optimizer"): 2.5,
+    (3, "all"): 3.5,
+}
+"""Rough step time of each option relative to ZeRO-0, used only to rank options (the seeds'
+measurements: stages 0-2 about equal with adapters, ZeRO-3 pays for gathering parameters,
+offload 2-3× slower, ZeRO-3 with full offload up to 6× on 14B LoRA)."""
+
+
+# --- the model: parameters by module, from the config alone ------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions of a Llama/Qwen2-style decoder that memory depends on."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool = False
+    mlp_bias: bool = False
+    model_type: str = "qwen2"
+    weights_bytes_per_param: int | None = None
+    """Bytes per element of the saved checkpoint (config ``dtype``/``torch_dtype``), None if unknown."""
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelShape:
+        """Read a transformers config (or any object or dict with its attribute names)."""
+        get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+        model_type = str(get("model_type", "") or "")
+        missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+                   if not isinstance(get(k), int)]
+        if missing:
+            raise MemoryEstimateError(
+                f"the memory estimator supports Llama/Qwen2-style decoders; this model config (model_type "
+                f"{model_type or 'unknown'!r}) lacks {', '.join(missing)}"
+            )
+        heads = get("num_attention_heads")
+        head_dim = get("head_dim") or get("hidden_size") // heads
+        attention_bias = bool(get("attention_bias", False))
+        qwen2 = model_type in ("qwen2", "qwen2_moe")
+        return cls(
+            hidden_size=get("hidden_size"),
+            intermediate_size=get("intermediate_size"),
+            num_layers=get("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            vocab_size=get("vocab_size"),
+            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases and none on o_proj; Llama-style models follow attention_bias.
+            qkv_bias=qwen2 or attention_bias,
+            o_bias=attention_bias and not qwen2,
+            mlp_bias=bool(get("mlp_bias", False)),
+            model_type=model_type or "unknown",
+            weights_bytes_per_param=_dtype_bytes(get("dtype", None) or get("torch_dtype", None)),
+        )
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each projection of one decoder layer."""
+        h, i = self.hidden_size, self.intermediate_size
+        return {
+            "q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim), "o_proj": (self.q_dim, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+        }
+
+    def describe(self) -> str:
+        return (f"{self.model_type} {_count(self.num_params())} params: {self.num_layers} layers, hidden {self.hidden_size}, "
+                f"intermediate {self.intermediate_size}, {self.num_heads} heads / {self.num_kv_heads} KV, "
+                f"vocab {self.vocab_size}{', tied embeddings' if self.tie_word_embeddings else ''}")
+
+    def num_params(self) -> int:
+        return sum(p.total for p in parameter_inventory(self, AdapterSpec(method="full")) if not p.adapter)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """``count`` parameters of ``numel`` elements each (one per layer for layer parameters)."""
+
+    name: str
+    numel: int
+    count: int
+    trainable: bool
+    adapter: bool
+    ndim: int
+    module: str
+    """The module that uses it (``layers.q_proj``, ``embed_tokens``, ``lm_head``, ``norm``...)."""
+
+    @property
+    def total(self) -> int:
+        return self.numel * self.count
+
+
+def target_projections(spec: AdapterSpec) -> tuple[list[str], list[str]]:
+    """(the projections peft wraps, the target names this estimator does not know) for ``spec``.
+    peft matches a target against the end of each module's name; ``all-linear`` is every linear
+    layer but the output head."""
+    if not spec.is_peft():
+        return [], []
+    if list(spec.target_modules) == ["all-linear"]:
+        return list(PROJECTIONS), []
+    known = [p for p in PROJECTIONS if any(p == t or p.endswith(f".{t}") or t.endswith(p) for t in spec.target_modules)]
+    unknown = [t for t in spec.target_modules if not any(t == p or t.endswith(p) for p in PROJECTIONS) and t != "lm_head"]
+    if "lm_head" in spec.target_modules:
+        known.append("lm_head")
+    return known, unknown
+
+
+def parameter_inventory(shape: ModelShape, spec: AdapterSpec) -> list[ParamSpec]:
+    """Every parameter of the model with ``spec``'s adapter applied, grouped by module.
+
+    Base model: embeddings V·h; per layer q (h·q_dim), k and v (h·kv_dim), o (q_dim·h), gate and up
+    (h·I), down (I·h), their biases, two RMSNorm weights (h); the final norm (h); the output head
+    h·V unless tied to the embeddings. Adapters, per wrapped projection with (in, out) features:
+    LoRA/rsLoRA ``lora_A`` r·in and ``lora_B`` out·r; DoRA adds the magnitude vector (out);
+    AdaLoRA starts at ``adalora_init_r``: A init_r·in, B out·init_r, E init_r (and a frozen
+    ``ranknum``). Only adapter parameters train, or every base parameter with ``full``.
+    """
+    h, v, layers = shape.hidden_size, shape.vocab_size, shape.num_layers
+    full = spec.method == "full"
+    out: list[ParamSpec] = [ParamSpec("embed_tokens.weight", v * h, 1, full, False, 2, "embed_tokens")]
+    for name, (fan_in, fan_out) in shape.linear_shapes().items():
+        out.append(ParamSpec(f"{name}.weight", fan_in * fan_out, layers, full, False, 2, f"layers.{name}"))
+        has_bias = shape.qkv_bias if name in ("q_proj", "k_proj", "v_proj") else shape.o_bias if name == "o_proj" else shape.mlp_bias
+        if has_bias:
+            out.append(ParamSpec(f"{name}.bias", fan_out, layers, full, False, 1, f"layers.{name}"))
+    out.append(ParamSpec("input_layernorm.weight", h, layers, full, False, 1, "layers.input_layernorm"))
+    out.append(ParamSpec("post_attention_layernorm.weight", h, layers, full, False, 1, "layers.post_attention_layernorm"))
+    out.append(ParamSpec("norm.weight", h, 1, full, False, 1, "norm"))
+    if not shape.tie_word_embeddings:
+        out.append(ParamSpec("lm_head.weight", h * v, 1, full, False, 2, "lm_head"))
+
+    targets, _ = target_projections(spec)
+    shapes = {**shape.linear_shapes(), "lm_head": (h, v)}
+    for name in targets:
+        fan_in, fan_out = shapes[name]
+        count = 1 if name == "lm_head" else layers
+        module = name if name == "lm_head" else f"layers.{name}"
+        if spec.method == "adalora":
+            r = spec.adalora_init_r
+            out += [ParamSpec(f"{name}.lora_A", r * fan_in, count, True, True, 2, module),
+                    ParamSpec(f"{name}.lora_B", fan_out * r, count, True, True, 2, module),
+                    ParamSpec(f"{name}.lora_E", r, count, True, True, 2, module),
+                    ParamSpec(f"{name}.ranknum", 1, count, False, True, 1, module)]
+            continue
+        out += [ParamSpec(f"{name}.lora_A", spec.r * fan_in, count, True, True, 2, module),
+                ParamSpec(f"{name}.lora_B", fan_out * spec.r, count, True, True, 2, module)]
+        if spec.method == "dora":
+            out.append(ParamSpec(f"{name}.lora_magnitude_vector", fan_out, count, True, True, 1, module))
+    return out
+
+
+def trainable_params(shape: ModelShape, spec: AdapterSpec) -> int:
+    """Trainable parameters: Σ over wrapped projections of r·(in + out) (+ out for DoRA;
+    AdaLoRA: init_r·(in + out + 1)) × layers, or every parameter for full fine-tuning."""
+    return sum(p.total for p in parameter_inventory(shape, spec) if p.trainable)
+
+
+# --- limits of the machine --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Memory of the machine a job runs on. ``None`` means unknown (that check is skipped)."""
+
+    gpu_mem_bytes: int | None = None
+    """Memory of each GPU (the smallest, if they differ)."""
+    gpus_per_node: int | None = None
+    host_mem_bytes: int | None = None
+    """Host RAM of each node (the cgroup limit where one applies)."""
+    num_nodes: int = 1
+    source: str = "given"
+    """Where the figures come from (shown in reports)."""
+
+    @classmethod
+    def detect(cls) -> Limits:
+        """This machine: GPUs from torch.cuda (none without CUDA), RAM from /proc/meminfo or
+        psutil, capped by a cgroup memory limit."""
+        gpu_mem = gpus = None
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                gpus = torch.cuda.device_count()
+                gpu_mem = min(torch.cuda.get_device_properties(i).total_memory for i in range(gpus))
+        except ImportError:
+            pass
+        return cls(gpu_mem_bytes=gpu_mem, gpus_per_node=gpus, host_mem_bytes=_host_memory_bytes(), source="detected on this machine")
+
+    def describe(self) -> str:
+        gpu = f"{self.gpus_per_node} × {_gib(self.gpu_mem_bytes)} GPU" if self.gpu_mem_bytes and self.gpus_per_node else (
+            f"GPUs of {_gib(self.gpu_mem_bytes)}" if self.gpu_mem_bytes else "no GPU known")
+        host = f"{_gib(self.host_mem_bytes)} host RAM" if self.host_mem_bytes else "host RAM unknown"
+        nodes = f" per node, {self.num_nodes} nodes" if self.num_nodes > 1 else ""
+        return f"{gpu}, {host}{nodes} ({self.source})"
+
+
+def _host_memory_bytes() -> int | None:
+    total = None
+    try:
+        import psutil
+
+        total = int(psutil.virtual_memory().total)
+    except ImportError:
+        meminfo = Path("/proc/meminfo")
+        if meminfo.is_file():
+            match = re.search(r"MemTotal:\s+(\d+) kB", meminfo.read_text())
+            total = int(match.group(1)) * KIB if match else None
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and (total is None or int(text) < total):
+            total = int(text)
+    return total
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)(B?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``24GiB``, ``80GB``, ``500MiB``, ``64G`` (a bare K/M/G/T is binary) or a plain
+    byte count. Raises ValueError with the accepted forms."""
+    match = _SIZE.match(str(text))
+    if not match or (match.group(3) and not match.group(2)):
+        raise ValueError(f"{text!r} is not a size; write e.g. 24GiB, 80GB, 500MiB or 64G")
+    number, prefix, binary, unit = match.groups()
+    power = "KMGT".find(prefix.upper()) + 1 if prefix else 0
+    base = 1000 if (unit and not binary) else 1024
+    return int(float(number) * base**power)
+
+
+# --- options, estimates, verdicts -------------------------------------------------------------
+
+
+@dataclass(frozen=True, order=True)
+class Option:
+    """A ZeRO stage with an offload mode."""
+
+    stage: int
+    offload: OffloadMode = "none"
+
+    @classmethod
+    def of(cls, cfg: SFTConfig) -> Option:
+        ds = cfg.deepspeed
+        return cls(ds.stage, "all" if ds.offload_param else "optimizer" if ds.offload_optimizer else "none")
+
+    @property
+    def label(self) -> str:
+        extra = {"none": "", "optimizer": " + offload optimizer", "all": " + offload optimizer & params"}[self.offload]
+        return f"ZeRO-{self.stage}{extra}"
+
+    def overrides(self) -> list[str]:
+        """The ``--set`` overrides that select this option."""
+        return [f"deepspeed.stage={self.stage}", f"deepspeed.offload_optimizer={str(self.offload != 'none').lower()}",
+                f"deepspeed.offload_param={str(self.offload == 'all').lower()}"]
+
+    def apply(self, cfg: SFTConfig) -> SFTConfig:
+        """``cfg`` with this option; a custom DeepSpeed JSON is kept only for the option it was written for."""
+        same = Option.of(cfg) == self
+        ds = dataclasses.replace(cfg.deepspeed, stage=self.stage, offload_optimizer=self.offload != "none",
+                                 offload_param=self.offload == "all", config=cfg.deepspeed.config if same else None)
+        return cfg.replace(deepspeed=ds)
+
+
+ALL_OPTIONS = tuple(Option(s, o) for (s, o) in RELATIVE_STEP_TIME if (s, o) != (3, "optimizer"))
+"""Every stage × offload combination the shipped DeepSpeed configs support (``zero3_offload.json``
+offloads both; ZeRO-3 with the optimizer alone needs your own ``deepspeed.config``)."""
+
+
+@dataclass(frozen=True)
+class Fit:
+    """The verdict of an estimate against limits: ``fits`` with one line per check in ``reasons``."""
+
+    fits: bool
+    reasons: tuple[str, ...]
+    gpu_fraction: float | None = None
+    """Device total / GPU memory (None when not checked)."""
+    host_fraction: float | None = None
+    """Node total / host RAM (None when not checked)."""
+
+    @property
+    def tight(self) -> bool:
+        """Fits, but within the estimator's 10% error of a limit."""
+        return self.fits and max(self.gpu_fraction or 0.0, self.host_fraction or 0.0) > 0.9
+
+    @property
+    def verdict(self) -> str:
+        return "does not fit" if not self.fits else "fits (tight)" if self.tight else "fits"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted memory of one job. Device figures are per worker (per GPU; on CPU runs they sit in
+    host memory), host figures per worker process and per node. Each component is given at its
+    own maximum; ``device_peak`` is the phase-aware peak (components do not all peak at once:
+    gradients and the optimizer step come after the activations are freed)."""
+
+    option: Option
+    shape: ModelShape
+    world_size: int
+    use_gpu: bool
+    precision: str
+    micro_batch_size: int
+    seq_len: int
+    gradient_checkpointing: bool
+    total_params: int
+    trainable_params: int
+    device: dict[str, int]
+    """Per worker: weights, gathered parameters (ZeRO-3), gradients, master weights, optimizer
+    states, activations, logits and loss, DeepSpeed buffers, framework overhead."""
+    device_phases: dict[str, int]
+    """Live device bytes at the moments that can peak: init, forward/backward, optimizer step."""
+    device_outside_allocator: dict[str, int]
+    """Per GPU, outside torch's allocator: CUDA context, NCCL."""
+    host_worker: dict[str, int]
+    """Per worker process (``checkpoint save`` on rank 0 only)."""
+    host_worker_phases: dict[str, int]
+    """Rank 0's RSS at model load, in training, and at the final save."""
+    host_other_worker_phases: dict[str, int]
+    """The RSS of every other worker (no final save; under ZeRO-3 no model load either)."""
+    host_node: dict[str, int]
+    """Per node, once: Ray services and the driver."""
+    calibration: Calibration
+    notes: tuple[str, ...] = ()
+
+    @property
+    def device_peak(self) -> int:
+        """Peak bytes allocated through torch's allocator (compare with ``mem/gpu_peak_allocated_gib``)."""
+        return max(self.device_phases.values())
+
+    @property
+    def device_peak_phase(self) -> str:
+        return max(self.device_phases, key=lambda k: self.device_phases[k])
+
+    @property
+    def device_reserved(self) -> int:
+        """Peak reserved by torch's caching allocator (compare with ``mem/gpu_peak_reserved_gib``)."""
+        return int(self.device_peak * self.calibration.reserved_factor) if self.use_gpu else self.device_peak
+
+    @property
+    def device_total(self) -> int:
+        """What one GPU must hold: reserved peak plus CUDA context and NCCL (0 on CPU runs)."""
+        return self.device_reserved + sum(self.device_outside_allocator.values()) if self.use_gpu else 0
+
+    def workers_per_node(self, limits: Limits | None = None) -> int:
+        """Workers on the fullest node: one per GPU, packed (Ray's PACK placement); on CPU, all on one node."""
+        if self.use_gpu and limits is not None and limits.gpus_per_node:
+            return min(self.world_size, limits.gpus_per_node)
+        if not self.use_gpu and limits is not None and limits.num_nodes > 1:
+            return math.ceil(self.world_size / limits.num_nodes)
+        return self.world_size
+
+    def host_worker_peak(self, *, rank0: bool = True) -> int:
+        return max((self.host_worker_phases if rank0 else self.host_other_worker_phases).values())
+
+    def host_workers(self, workers_per_node: int | None = None) -> int:
+        """Sum of the peak RSS of the workers of the fullest node (compare with ``mem/host_rss_peak_gib``)."""
+        n = self.world_size if workers_per_node is None else workers_per_node
+        return self.host_worker_peak(rank0=True) + (n - 1) * self.host_worker_peak(rank0=False)
+
+    def host_total(self, workers_per_node: int | None = None) -> int:
+        """Host RAM the fullest node needs: its workers plus Ray services and the driver."""
+        return self.host_workers(workers_per_node) + sum(self.host_node.values())
+
+    def fits(self, limits: Limits) -> Fit:
+        """Check the estimate against ``limits``; unknown limits are not checked (and say so)."""
+        reasons: list[str] = []
+        ok = True
+        gpu_fraction = host_fraction = None
+        if self.use_gpu:
+            if limits.gpus_per_node is not None and self.world_size > limits.gpus_per_node * limits.num_nodes:
+                ok = False
+                reasons.append(f"GPUs: the job needs {self.world_size} (scaling.num_workers) but the machine has "
+                               f"{limits.gpus_per_node * limits.num_nodes}")
+            if limits.gpu_mem_bytes:
+                gpu_fraction = self.device_total / limits.gpu_mem_bytes
+                fits_gpu = self.device_total <= limits.gpu_mem_bytes
+                ok &= fits_gpu
+                reasons.append(f"GPU: {_gib(self.device_total)} of {_gib(limits.gpu_mem_bytes)} per GPU"
+                               f"{'' if fits_gpu else ' — too much'}")
+            else:
+                reasons.append("GPU: not checked (no GPU memory known: give --gpu-mem or run where the GPUs are)")
+        n = self.workers_per_node(limits)
+        if limits.host_mem_bytes:
+            need = self.host_total(n)
+            host_fraction = need / limits.host_mem_bytes
+            fits_host = need <= limits.host_mem_bytes
+            ok &= fits_host
+            reasons.append(f"host: {_gib(need)} of {_gib(limits.host_mem_bytes)} per node ({n} worker{'s' * (n > 1)})"
+                           f"{'' if fits_host else ' — too much'}")
+        else:
+            reasons.append("host: not checked (host RAM unknown)")
+        return Fit(ok, tuple(reasons), gpu_fraction, host_fraction)
+
+    def summary(self, limits: Limits | None = None) -> str:
+        n = self.workers_per_node(limits)
+        gpu = (f"{_gib(self.device_total)} per GPU (peak allocated {_gib(self.device_peak)}, {self.device_peak_phase})"
+               if self.use_gpu else f"{_gib(self.device_peak)} of tensors per CPU worker")
+        return f"{self.option.label}: {gpu}, host {_gib(self.host_total(n))} per node"
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    option: Option
+    estimate: Estimate | None
+    """None when the job's config does not allow this option (``invalid`` says why)."""
+    fit: Fit | None
+    invalid: str | None = None
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    option: Option
+    estimate: Estimate
+    reason: str
+    overrides: tuple[str, ...] = ()
+    """Extra ``--set`` overrides needed beyond the option (e.g. gradient checkpointing)."""
+
+
+# --- the estimate -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _ZeroKnobs:
+    """The DeepSpeed JSON values memory depends on, with DeepSpeed's defaults where absent."""
+
+    reduce_bucket_size: int
+    overlap_comm: bool
+    contiguous_gradients: bool
+    prefetch_bucket_size: int
+    persistence_threshold: int
+    max_reuse_distance: int
+    max_live_parameters: int
+    pin_memory: bool
+
+    @classmethod
+    def resolve(cls, cfg: SFTConfig, hidden_size: int) -> _ZeroKnobs:
+        from zerolab import ds_config
+
+        zero = ds_config.resolve(cfg, hidden_size).get("zero_optimization", {})
+        stage3 = cfg.deepspeed.stage == 3
+        offload = [zero.get(k) or {} for k in ("offload_optimizer", "offload_param")]
+        return cls(
+            reduce_bucket_size=int(zero.get("reduce_bucket_size", 5e8)),
+            overlap_comm=bool(zero.get("overlap_comm", stage3)),
+            contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
+            prefetch_bucket_size=int(zero.get("stage3_prefetch_bucket_size", 5e7)),
+            persistence_threshold=int(zero.get("stage3_param_persistence_threshold", 1e5)),
+            max_reuse_distance=int(zero.get("stage3_max_reuse_distance", 1e9)),
+            max_live_parameters=int(zero.get("stage3_max_live_parameters", 1e9)),
+            pin_memory=any(bool(o.get("pin_memory", False)) for o in offload if o.get("device", "none") != "none"),
+        )
+
+
+KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
+    "Qwen/Qwen2.5-0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                              num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "Qwen/Qwen2.5-1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                              num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "Qwen/Qwen2.5-3B": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                            num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "Qwen/Qwen2.5-7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                            num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "Qwen/Qwen2.5-14B": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                             num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+    "Qwen/Qwen2.5-32B": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                             num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+    "Qwen/Qwen2.5-72B": dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+                             num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+}
+"""Shapes of the Qwen2.5 models the shipped job configs use (from their config.json; the
+-Instruct variants share them), so that estimates work offline. Keys: hub ids without -Instruct."""
+
+
+def load_model_config(cfg: SFTConfig) -> Any:
+    """The Hugging Face config of ``cfg.model``: a local folder, ``builtin:tiny-qwen2`` (built on
+    first use), a hub id found in the local Hugging Face cache, a hub id in :data:`KNOWN_CONFIGS`
+    (a dict, no network), or else the hub. No weights are read. Raises ModelLoadError."""
+    from transformers import AutoConfig
+
+    from zerolab.models import ModelLoadError, _load_failure, resolve_model_path
+
+    path = resolve_model_path(cfg.model.name_or_path)
+    kwargs = dict(revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
+    if not Path(path).expanduser().exists():
+        try:
+            return AutoConfig.from_pretrained(path, local_files_only=True, **kwargs)
+        except (OSError, ValueError):
+            known = KNOWN_CONFIGS.get(path.removesuffix("-Instruct"))
+            if known is not None:
+                return {"model_type": "qwen2", "dtype": "bfloat16", **known}
+    try:
+        return AutoConfig.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(_load_failure(cfg.model.name_or_path, "model config", exc)) from exc
+
+
+def estimate(cfg: SFTConfig, model_config: Any, *, calibration: Calibration = DEFAULT_CALIBRATION) -> Estimate:
+    """Predict the memory of ``cfg`` on the model described by ``model_config`` (a transformers
+    config, a dict of its fields, or a :class:`ModelShape`).
+
+    Sequence length is ``data.max_seq_length``: the worst case (packed batches fill it; padded
+    batches reach it when one sample does). Raises ConfigError when the DeepSpeed JSON does not
+    resolve and MemoryEstimateError for unsupported models.
+    """
+    shape = model_config if isinstance(model_config, ModelShape) else ModelShape.from_config(model_config)
+    knobs = _ZeroKnobs.resolve(cfg, shape.hidden_size)
+    option = Option.of(cfg)
+    inventory = parameter_inventory(shape, cfg.adapter)
+    _, unknown = target_projections(cfg.adapter)
+    notes = []
+    if unknown:
+        notes.append(f"adapter.target_modules {unknown} are not projections this estimator knows; they were left out")
+    if shape.model_type not in ("qwen2", "llama", "mistral"):
+        notes.append(f"model_type {shape.model_type!r} estimated as a Llama/Qwen2-style decoder")
+    return _Estimator(cfg, shape, inventory, knobs, option, calibration, tuple(notes)).run()
+
+
+class _Estimator:
+    """The formulas, one method per component. Notation: N world size, P all parameters, T
+    trainable parameters, e bytes per element of the training precision, B×S tokens per
+    micro-batch, h hidden, I intermediate, V vocabulary, L layers."""
+
+    def __init__(self, cfg: SFTConfig, shape: ModelShape, inventory: list[ParamSpec], knobs: _ZeroKnobs, option: Option,
+                 calibration: Calibration, notes: tuple[str, ...]) -> None:
+        self.cfg, self.shape, self.inv, self.knobs, self.option, self.cal = cfg, shape, inventory, knobs, option, calibration
+        self.notes = list(notes)
+        self.n = cfg.world_size()
+        self.gpu = cfg.scaling.use_gpu
+        self.stage = option.stage
+        self.offload_opt = option.offload != "none"
+        self.offload_param = option.offload == "all"
+        self.e = 4 if cfg.precision() == "fp32" else 2
+        self.peft = cfg.adapter.is_peft()
+        # peft makes adapters fp32; DeepSpeed casts them to e except under ZeRO-3 (zero.Init params are not cast).
+        self.e_adapter = 4 if (self.peft and self.stage == 3) else self.e
+        self.tokens = cfg.train.micro_batch_size * cfg.data.max_seq_length
+        self.P = sum(p.total for p in inventory)
+        self.T = sum(p.total for p in inventory if p.trainable)
+
+    # -- helpers
+    def _bytes(self, p: ParamSpec) -> int:
+        return self.e_adapter if p.adapter else self.e
+
+    def _part(self, numel: int) -> int:
+        """Elements of ``numel`` held by one rank under ZeRO partitioning (padded to a multiple of N)."""
+        return math.ceil(numel / self.n)
+
+    def _persistent(self, p: ParamSpec) -> bool:
+        """ZeRO-3 keeps parameters below stage3_param_persistence_threshold whole on every rank."""
+        return p.numel < self.knobs.persistence_threshold
+
+    def _largest_trainable(self) -> int:
+        return max((p.numel for p in self.inv if p.trainable), default=0)
+
+    # -- device components (bytes per worker)
+    def weights(self) -> int:
+        """ZeRO 0-2: every parameter on every rank, P·e. ZeRO-3: persistent parameters whole, the
+        rest ⌈numel/N⌉ each (adapters fp32); with parameter offload only the persistent ones stay."""
+        if self.stage < 3:
+            return sum(p.total * self._bytes(p) for p in self.inv)
+        total = 0
+        for p in self.inv:
+            if self._persistent(p):
+                total += p.total * self._bytes(p)
+            elif not self.offload_param:
+                total += self._part(p.numel) * p.count * self._bytes(p)
+        return total
+
+    def gathered(self) -> int:
+        """ZeRO-3 at the start of the backward pass: parameters gathered whole and still held.
+
+        DeepSpeed releases a module's parameters after use unless they are used again within the
+        next ``stage3_max_reuse_distance`` elements of the recorded module trace (forward, then
+        backward, re-running each layer's forward first under gradient checkpointing). Simulating
+        that rule on the trace gives what is held when the loss is computed, plus one prefetch
+        bucket. With N = 1 and no parameter offload, gathering is a view of the partition (0 bytes).
+        """
+        if self.stage < 3 or (self.n == 1 and not self.offload_param):
+            return 0
+        # Module -> its non-persistent parameters (name, numel, bytes); a tied head uses the embedding's.
+        modules: dict[str, list[tuple[str, int, int]]] = {}
+        for p in self.inv:
+            if not self._persistent(p):
+                key = p.module.removeprefix("layers.")
+                modules.setdefault(key, []).append((p.name, p.numel, self._bytes(p)))
+        if self.shape.tie_word_embeddings:
+            modules["lm_head"] = modules.get("lm_head", []) + [m for m in modules.get("embed_tokens", []) if m[0] == "embed_tokens.weight"]
+        layer_mods = [m for m in PROJECTIONS if m in modules]
+        Step = tuple[str, int | None]
+        forward: list[Step] = [("embed_tokens", None)]
+        forward += [(m, i) for i in range(self.shape.num_layers) for m in layer_mods]
+        forward.append(("lm_head", None))
+        if self.cfg.model.gradient_checkpointing:
+            backward: list[Step] = [("lm_head", None)]
+            for i in reversed(range(self.shape.num_layers)):
+                backward += [(m, i) for m in layer_mods] + [(m, i) for m in reversed(layer_mods)]
+            backward.append(("embed_tokens", None))
+        else:
+            backward = list(reversed(forward))
+        trace = forward + backward
+
+        def params_of(step: Step) -> list[tuple[tuple[str, int | None], int, int]]:
+            name, layer = step
+            return [((pname, layer), numel, nbytes) for pname, numel, nbytes in modules.get(name, [])]
+
+        held: dict[tuple[str, int | None], int] = {}
+        peak_step = len(forward) - 1  # the head's forward: the loss follows and the backward starts
+        for k in range(peak_step + 1):
+            for pid, numel, nbytes in params_of(trace[k]):
+                held[pid] = numel * nbytes
+            if k == peak_step:
+                break
+            candidates = {pid for pid, _, _ in params_of(trace[k])}
+            traversed = 0
+            for later in trace[k + 1:]:
+                if traversed >= self.knobs.max_reuse_distance or not candidates:
+                    break
+                for pid, numel, _ in params_of(later):
+                    candidates.discard(pid)
+                    traversed += numel
+            for pid in candidates:
+                held.pop(pid, None)
+        return sum(held.values()) + self.knobs.prefetch_bucket_size * self.e
+
+    def master_weights(self) -> int:
+        """fp32 copies of the trainable parameters: ZeRO-0 keeps 4·T when training in bf16/fp16 (none
+        in fp32); ZeRO 1-3 keep this rank's partition, 4·⌈T/N⌉, in any precision. Offload: on host."""
+        if self.stage == 0:
+            return 4 * self.T if self.e != 4 else 0
+        return 0 if self.offload_opt else 4 * self._part(self.T)
+
+    def optimizer_states(self) -> int:
+        """AdamW's exp_avg and exp_avg_sq in fp32: 8·T (ZeRO-0) or 8·⌈T/N⌉; on host under offload.
+        AdaLoRA adds its rank allocator's three fp32 importance tensors per adapter weight (12·T)."""
+        states = 0 if self.offload_opt else 8 * (self.T if self.stage == 0 else self._part(self.T))
+        if self.cfg.adapter.method == "adalora":
+            states += 12 * self.T
+        return states
+
+    def gradients(self) -> int:
+        """Gradients alive after the backward pass. ZeRO-0 and 1: every trainable parameter's
+        gradient, T·e. ZeRO-2: this rank's partition, ⌈T/N⌉·e. ZeRO-3: the flat partition buffer,
+        ⌈T/N⌉·e. Under optimizer offload ZeRO 1-3 stream partitions to host (see host rows)."""
+        if self.stage <= 1 and not self.offload_opt:
+            return self.T * self.e_adapter
+        if self.offload_opt:
+            return 0
+        return self._part(self.T) * self.e_adapter
+
+    def deepspeed_buffers(self) -> int:
+        """Reduction and staging buffers at the optimizer step. ZeRO-0, N > 1: the flattened bucket
+        of the gradient all-reduce, min(T, 5e8)·e; in bf16/fp16 the fp32 gradient copies the step
+        reads, 4·T. ZeRO 1-2: reduce buckets (two with overlap_comm) of reduce_bucket_size·e and the
+        fp32 gradient partition of the step, 4·⌈T/N⌉. ZeRO-3: one reduce bucket and the fp32
+        gradient partition. Offload: buckets plus a staging buffer of the largest parameter."""
+        e, k = self.e_adapter, self.knobs  # gradients have the trainable parameters' dtype
+        if self.stage == 0:
+            allreduce = min(self.T, 500_000_000) * e if self.n > 1 else 0
+            return allreduce + (4 * self.T if e != 4 else 0)
+        buckets = (2 if k.overlap_comm and self.stage < 3 else 1) * min(k.reduce_bucket_size, max(self.T, 1)) * e
+        if self.offload_opt:
+            return buckets + (self._largest_trainable() * e if self.stage < 3 else 0)
+        return buckets + 4 * self._part(self.T)
+
+    def activation_bytes_per_layer(self) -> int:
+        """Bytes one decoder layer saves for backward, per token, without checkpointing.
+
+        Each term is a tensor autograd keeps (checked against ``saved_tensors_hooks``):
+        RMSNorm ×2: its fp32 input copy and rsqrt, 4h + 4, plus the normalised input when the norm
+        weight trains (e·h). Attention: RoPE'd q (e·q_dim); k and v as SDPA gets them — repeated to
+        q_dim when a mask is passed (padded or packed batches), else kv_dim; SDPA's output (e·q_dim,
+        shared with o_proj's input) and fp32 log-sum-exp (4·heads); the mask SDPA converts per
+        layer (e·S) — or, for eager attention, the fp32 probabilities and their cast to e
+        ((4 + e)·heads·S) and a copy of the output for o_proj. MLP: gate output, SiLU
+        output, up output (3·e·I). Inputs of trained base projections (full fine-tuning: the
+        normed input once for q/k/v, once for gate/up, down's input e·I). Adapters per wrapped
+        projection (in, out): with dropout its output and mask (e_a·in + mask·in; the mask is a
+        byte on GPU, e_a bytes on CPU), without dropout the input itself (shared, or an fp32 copy
+        when the adapter computes in fp32), lora_A's output e_a·r, and DoRA's base and LoRA
+        results (2·e_a·out).
+        """
+        s, e, ea = self.shape, self.e, self.e_adapter
+        h, inter, s_len = s.hidden_size, s.intermediate_size, self.cfg.data.max_seq_length
+        full = not self.peft
+        attn = self.cfg.model.attn_implementation
+        targets, _ = target_projections(self.cfg.adapter)
+        targets = [t for t in targets if t != "lm_head"]
+        dropout = self.peft and self.cfg.adapter.dropout > 0
+        mask_bytes = 1 if self.gpu else ea
+        gqa_repeat = attn != "flash_attention_2" and s.num_kv_heads != s.num_heads
+
+        def input_kept(group: Sequence[str]) -> bool:
+            return full or (not dropout and ea == e and any(t in targets for t in group))
+
+        total = 2 * (4 * h + 4 + (e * h if full else 0))
+        kv = s.q_dim if gqa_repeat else s.kv_dim
+        total += e * (s.q_dim + 2 * kv)
+        if attn == "eager":
+            # fp32 softmax probabilities and their cast to e; o_proj's input is a transposed copy.
+            total += (4 + (e if e != 4 else 0)) * s.num_heads * s_len + e * s.q_dim * input_kept(("o_proj",))
+        else:
+            total += e * s.q_dim + 4 * s.num_heads  # the kernel's output (o_proj's input) and log-sum-exp
+            total += e * s_len if attn == "sdpa" else 0
+        total += 3 * e * inter
+        total += e * h * input_kept(("q_proj", "k_proj", "v_proj")) + e * h * input_kept(("gate_proj", "up_proj"))
+        total += e * inter * input_kept(("down_proj",))
+        rank = self.cfg.adapter.adalora_init_r if self.cfg.adapter.method == "adalora" else self.cfg.adapter.r
+        for name in targets:
+            fan_in, fan_out = s.linear_shapes()[name]
+            if dropout:
+                total += (ea + mask_bytes) * fan_in
+            elif ea != e:
+                total += ea * fan_in
+            total += ea * rank
+            if self.cfg.adapter.method == "dora":
+                total += 2 * ea * fan_out
+        return total
+
+    def activations(self) -> int:
+        """Activations saved for the backward pass of one micro-batch of B·S tokens. Without
+        checkpointing: L × the per-layer bytes (less what the first layer of an adapter run skips).
+        With checkpointing (non-reentrant, per decoder
+        layer) each layer keeps only its input, L·e·h. Both add the final norm (4h + 4, + e·h when
+        the head or the norm trains), RoPE cos/sin (2·e·head_dim), the attention mask (S bytes)
+        and the ids and labels (16 bytes)."""
+        s, e = self.shape, self.e
+        head_trains = not self.peft or "lm_head" in target_projections(self.cfg.adapter)[0]
+        other = 4 * s.hidden_size + 4 + (e * s.hidden_size if head_trains else 0) + 2 * e * s.head_dim
+        other += self.cfg.data.max_seq_length + 16
+        if self.cfg.model.gradient_checkpointing:
+            layers = s.num_layers * e * s.hidden_size
+        else:
+            layers = s.num_layers * self.activation_bytes_per_layer() - self._first_layer_saving()
+        return self.tokens * (layers + other)
+
+    def _first_layer_saving(self) -> int:
+        """With an adapter and no checkpointing, the first layer's input (the frozen embeddings)
+        needs no gradient: its first norm saves nothing (4h + 4) and its q/k/v adapters keep no
+        dropout masks."""
+        if not self.peft or self.cfg.model.gradient_checkpointing:
+            return 0
+        h = self.shape.hidden_size
+        targets = target_projections(self.cfg.adapter)[0]
+        masks = sum(t in targets for t in ("q_proj", "k_proj", "v_proj")) if self.cfg.adapter.dropout > 0 else 0
+        return 4 * h + 4 + masks * h * (1 if self.gpu else self.e_adapter)
+
+    def recomputed_layer(self) -> int:
+        """Under checkpointing the backward pass re-runs one layer's forward at a time: its full
+        activations, B·S × the per-layer bytes, live on top of the saved inputs (0 otherwise)."""
+        return self.tokens * self.activation_bytes_per_layer() if self.cfg.model.gradient_checkpointing else 0
+
+    def logits_and_loss(self) -> int:
+        """The loss region at the start of the backward pass, per micro-batch of B·S tokens: logits
+        (e·V), their fp32 log-softmax saved by cross-entropy (4·V; the fp32 upcast of the logits is
+        freed once it is computed), then in the backward the gradient of the log-probabilities and
+        of the fp32 logits (4·V each): (e + 12)·V per token. When the head trains the backward then
+        holds logits, their gradient and the head's weight gradient: 2·e·V per token + V·h·e."""
+        v = self.shape.vocab_size
+        loss = (self.e + 12) * v * self.tokens
+        if not self.peft:
+            loss = max(loss, 2 * self.e * v * self.tokens + v * self.shape.hidden_size * self.e)
+        return loss
+
+    def dora_transient(self) -> int:
+        """DoRA's forward computes the weight norm of each wrapped projection from
+        lora_B(lora_A(eye(in))): an in×in identity, the in×out LoRA weight and W + scale·ΔW, freed
+        after the module but as large as (in² + 2·in·out)·e_a for the largest projection."""
+        if self.cfg.adapter.method != "dora":
+            return 0
+        targets = [t for t in target_projections(self.cfg.adapter)[0] if t != "lm_head"]
+        shapes = self.shape.linear_shapes()
+        return max((self.e_adapter * (i * i + 2 * i * o) for i, o in (shapes[t] for t in targets)), default=0)
+
+    def framework(self) -> int:
+        return self.cal.framework_device_bytes if self.gpu else 0
+
+    def device(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Components and phases. Persistent = weights + master + optimizer states + framework.
+        Forward/backward = persistent + gathered + saved activations + max(loss region, recomputed
+        layer + logits, DoRA transient) (+ gradients held across accumulation steps, and ZeRO-3's
+        gradient partition buffer, allocated at init). Optimizer
+        step = persistent + gradients + DeepSpeed buffers + the last logits (``out`` still holds
+        them). Init (ZeRO 1-2 flatten the trainable parameters into a new buffer) = persistent
+        without optimizer states + T·e."""
+        logits = self.e * self.shape.vocab_size * self.tokens  # ``out.logits`` lives until the next forward
+        saved, recompute = self.activations(), self.recomputed_layer()
+        c = {
+            "weights": self.weights(),
+            "gathered parameters": self.gathered(),
+            "gradients": self.gradients(),
+            "master weights": self.master_weights(),
+            "optimizer states": self.optimizer_states(),
+            "activations": saved + recompute,
+            "logits and loss": max(self.logits_and_loss(), self.dora_transient()),
+            "deepspeed buffers": self.deepspeed_buffers(),
+            "framework": self.framework(),
+        }
+        persistent = c["weights"] + c["master weights"] + c["optimizer states"] + c["framework"]
+        held_grads = c["gradients"] if self.stage == 3 or self.cfg.train.grad_accum_steps > 1 else 0
+        # The loss region comes at the end of the forward pass; a recomputed layer (checkpointing) and
+        # DoRA's weight-norm temporaries come while every saved activation is alive, but not with it.
+        peak_activity = max(self.logits_and_loss(), recompute + logits, self.dora_transient())
+        phases = {
+            "init": persistent - c["optimizer states"] + (self.T * self.e if self.stage in (1, 2) else 0),
+            "forward/backward": persistent + held_grads + c["gathered parameters"] + saved + peak_activity,
+            "optimizer step": persistent + c["gradients"] + c["deepspeed buffers"] + logits,
+        }
+        return c, phases
+
+    # -- host components
+    def host(self, device_peak: int) -> tuple[dict[str, int], dict[str, int], dict[str, int], dict[str, int]]:
+        """Per worker: process baseline; dataset shard (⌈rows/N⌉ × (16·S + row overhead)); model
+        load (ZeRO 0-2 every rank reads the whole checkpoint, ZeRO-3 rank 0 alone: P × the file's
+        bytes per element, plus P·e when converting dtype, × host_load_factor); offloaded optimizer (ZeRO 1-2: fp32 master, fp32 gradient and
+        bit16 parameter partitions pinned, 10·⌈T/N⌉, AdamW states 8·⌈T/N⌉ unpinned, a staging
+        buffer of the largest parameter; ZeRO-3: fp32 master pinned, gradient partition e pinned,
+        states, and the fp32 gradient of the step: 18·⌈T/N⌉); offloaded parameters (every
+        partition pinned separately, plus the trainable flat buffer); pinned-memory rounding (torch
+        rounds each pinned allocation up to a power of two); on CPU runs the device peak; the
+        final save on rank 0 (full fine-tuning gathers the whole state dict: P·e)."""
+        cal, e, n = self.cal, self.e, self.n
+        rows = math.ceil(self.cfg.data.num_train_rows / n) + math.ceil(self.cfg.data.num_eval_rows / n)
+        dataset = rows * (16 * self.cfg.data.max_seq_length + cal.host_row_bytes)
+        base = cal.host_process_gpu_bytes if self.gpu else cal.host_process_cpu_bytes
+        # Loaded in the training precision; peft's adapters are created in fp32 before DeepSpeed casts them.
+        weights_bytes = sum(p.total * (4 if p.adapter else e) for p in self.inv)
+        base_params = sum(p.total for p in self.inv if not p.adapter)
+        file_bytes = self.shape.weights_bytes_per_param or e
+        # The checkpoint's pages as they are read, plus a converted private copy when dtypes differ.
+        load = int(base_params * (file_bytes + (e if file_bytes != e else 0)) * cal.host_load_factor)
+
+        groups = [g for g in (sum(p.total for p in self.inv if p.trainable and (p.ndim >= 2) == big) for big in (True, False)) if g]
+        opt_pinned: list[int] = []
+        opt_unpinned = 0
+        if self.offload_opt and self.stage < 3:
+            for g in groups:
+                part = self._part(g)
+                opt_pinned += [4 * part, 4 * part, e * part]  # fp32 master, fp32 gradient, bit16 staging
+                opt_unpinned += 8 * part  # DeepSpeedCPUAdam's exp_avg, exp_avg_sq
+            opt_pinned.append(self._largest_trainable() * e)  # gradient staging buffer
+            if self.cfg.train.grad_accum_steps > 1:  # per-parameter gradient accumulators
+                opt_pinned += [p.numel * e for p in self.inv if p.trainable for _ in range(math.ceil(p.count / n))]
+        elif self.offload_opt:
+            for g in groups:
+                opt_pinned.append(4 * self._part(g))  # fp32 master partition
+                opt_unpinned += 12 * self._part(g)  # states and the fp32 gradient of the step
+            opt_pinned.append(self.e_adapter * self._part(self.T))  # flat gradient partition buffer
+        param_pinned: list[int] = []
+        if self.offload_param:
+            param_pinned = [self._part(p.numel) * self._bytes(p) for p in self.inv if not self._persistent(p) for _ in range(p.count)]
+            param_pinned += [self.e_adapter * self._part(g) for g in groups]
+        pin = self.gpu and self.knobs.pin_memory
+        rounding = sum(_pow2(x) - x for x in opt_pinned + param_pinned) if pin else 0
+        cpu_tensors = 0 if self.gpu else device_peak
+        save = weights_bytes if not self.peft else 4 * self.T
+        worker = {
+            "worker process": base,
+            "dataset shard": dataset,
+            "model loading": load,
+            "offloaded optimizer": sum(opt_pinned) + opt_unpinned,
+            "offloaded parameters": sum(param_pinned),
+            "pinned-memory rounding": rounding,
+            "tensors (CPU training)": cpu_tensors,
+            "checkpoint save (rank 0)": save,
+        }
+        resident = worker["offloaded optimizer"] + worker["offloaded parameters"] + rounding + cpu_tensors
+        rank0 = {
+            "model load": base + dataset + load,
+            "training": base + dataset + resident,
+            "checkpoint save": base + dataset + resident + save,
+        }
+        # ZeRO-3: rank 0 alone reads the checkpoint into the partitions; ZeRO 0-2: every rank loads the model.
+        other = {"model load": base + dataset + (load if self.stage < 3 else 0), "training": rank0["training"]}
+        node = {"Ray services and driver": cal.host_ray_node_bytes}
+        return worker, rank0, other, node
+
+    def run(self) -> Estimate:
+        device, phases = self.device()
+        outside = {}
+        if self.gpu:
+            outside["CUDA context"] = self.cal.cuda_context_bytes
+            if self.n > 1:
+                outside["NCCL"] = self.cal.nccl_bytes
+        host_worker, host_phases, host_other, host_node = self.host(max(phases.values()))
+        if self.stage == 3 and self.n == 1 and not self.offload_param:
+            self.notes.append("ZeRO-3 on one GPU partitions nothing: it holds what ZeRO-0 holds and adds gathering overhead")
+        return Estimate(
+            option=self.option, shape=self.shape, world_size=self.n, use_gpu=self.gpu, precision=self.cfg.precision(),
+            micro_batch_size=self.cfg.train.micro_batch_size, seq_len=self.cfg.data.max_seq_length,
+            gradient_checkpointing=self.cfg.model.gradient_checkpointing, total_params=self.P - sum(
+                p.total for p in self.inv if p.adapter and not p.trainable), trainable_params=self.T,
+            device=device, device_phases=phases, device_outside_allocator=outside, host_worker=host_worker,
+            host_worker_phases=host_phases, host_other_worker_phases=host_other, host_node=host_node, calibration=self.cal, notes=tuple(self.notes),
+        )
+
+
+def _dtype_bytes(dtype: Any) -> int | None:
+    name = str(dtype).removeprefix("torch.") if dtype is not None else ""
+    return {"bfloat16": 2, "float16": 2, "float32": 4}.get(name)
+
+
+def _pow2(x: int) -> int:
+    return 1 << (x - 1).bit_length() if x > 0 else 0
+
+
+# --- planning ----------------------------------------------------------------------------------
+
+
+def plan_options(cfg: SFTConfig, model_config: Any, limits: Limits | None = None, *,
+                 options: Iterable[Option] = ALL_OPTIONS, calibration: Calibration = DEFAULT_CALIBRATION) -> list[PlanRow]:
+    """Estimate ``cfg`` under each option (stage × offload); options the config's own validation
+    rejects (e.g. AdaLoRA beyond ZeRO-0) come back with ``invalid`` set and no estimate."""
+    limits = limits or Limits()
+    base_problems = set(validate(cfg))
+    options = list(options)
+    if Option.of(cfg) not in options and options == list(ALL_OPTIONS):
+        options.append(Option.of(cfg))  # the job's own option, e.g. ZeRO-3 offloading the optimizer alone
+    rows = []
+    for option in options:
+        variant = option.apply(cfg)
+        problems = [p for p in validate(variant) if p not in base_problems]
+        if not problems:
+            try:
+                est = estimate(variant, model_config, calibration=calibration)
+            except ConfigError as exc:  # e.g. no shipped DeepSpeed JSON offloads the optimizer alone under ZeRO-3
+                problems = exc.problems
+        if problems:
+            rows.append(PlanRow(option, None, None, invalid=problems[0].split(";", 1)[0]))
+            continue
+        rows.append(PlanRow(option, est, est.fits(limits)))
+    return rows
+
+
+def recommend(cfg: SFTConfig, model_config: Any, limits: Limits | None = None, *,
+              rows: list[PlanRow] | None = None, calibration: Calibration = DEFAULT_CALIBRATION) -> Recommendation | None:
+    """The fastest option that fits ``limits`` (ZeRO-0 when it fits; ZeRO-3 and offload only to
+    fit), with the reason. When none fits, tries one worker per available GPU (if the job asks
+    for more workers than there are GPUs), gradient checkpointing, then halving the micro-batch;
+    returns None if even micro-batch 1 with checkpointing does not fit."""
+    limits = limits or Limits()
+    rows = rows if rows is not None else plan_options(cfg, model_config, limits, calibration=calibration)
+    best = _fastest_fitting(rows)
+    if best is not None:
+        return Recommendation(best.option, best.estimate, _reason(best, rows))  # type: ignore[arg-type]
+    base, extra = cfg, ()
+    gpus = (limits.gpus_per_node or 0) * limits.num_nodes
+    if cfg.scaling.use_gpu and limits.gpus_per_node is not None and 0 < gpus < cfg.world_size():
+        base = cfg.replace(scaling=dataclasses.replace(cfg.scaling, num_workers=gpus))
+        extra = (f"scaling.num_workers={gpus}",)
+    attempts: list[tuple[SFTConfig, tuple[str, ...]]] = [(base, extra)] if extra else []
+    ckpt = base.replace(model=dataclasses.replace(base.model, gradient_checkpointing=True))
+    if not cfg.model.gradient_checkpointing:
+        attempts.append((ckpt, (*extra, "model.gradient_checkpointing=true")))
+        extra = (*extra, "model.gradient_checkpointing=true")
+    batch = cfg.train.micro_batch_size // 2
+    while batch >= 1:
+        attempts.append((ckpt.replace(train=dataclasses.replace(cfg.train, micro_batch_size=batch)),
+                         (*extra, f"train.micro_batch_size={batch}")))
+        batch //= 2
+    for variant, changes in attempts:
+        found = _fastest_fitting(plan_options(variant, model_config, limits, options=[r.option for r in rows], calibration=calibration))
+        if found is not None:
+            what = " and ".join(changes)
+            reason = f"no option fits as configured; with {what} {found.option.label} fits ({_fit_figures(found)})"
+            return Recommendation(found.option, found.estimate, reason, changes)  # type: ignore[arg-type]
+    return None
+
+
+def _fastest_fitting(rows: list[PlanRow]) -> PlanRow | None:
+    fitting = [r for r in rows if r.fit is not None and r.fit.fits]
+    if not fitting:
+        return None
+    return min(fitting, key=lambda r: (RELATIVE_STEP_TIME[(r.option.stage, r.option.offload)], r.estimate.device_total if r.estimate else 0))
+
+
+def _fit_figures(row: PlanRow) -> str:
+    est = row.estimate
+    assert est is not None and row.fit is not None
+    parts = [r for r in row.fit.reasons if "not checked" not in r]
+    return "; ".join(parts) if parts else est.summary()
+
+
+def _reason(best: PlanRow, rows: list[PlanRow]) -> str:
+    faster = [r for r in rows if r.estimate is not None and RELATIVE_STEP_TIME[(r.option.stage, r.option.offload)]
+              < RELATIVE_STEP_TIME[(best.option.stage, best.option.offload)]]
+    if best.option == Option(0):
+        why = "the fastest option: plain data parallel, no parameter gathering, no offload traffic"
+    elif not faster:
+        why = "the fastest option allowed for this config"
+    else:
+        blocked = ", ".join(f"{r.option.label} ({'not allowed' if r.fit is None else _over(r)})" for r in faster)
+        why = f"the fastest option that fits; faster ones do not: {blocked}"
+        if best.option.offload != "none":
+            why += "; offload makes steps about 2-3× slower"
+    return f"{best.option.label} fits ({_fit_figures(best)}) and is {why}"
+
+
+def _over(row: PlanRow) -> str:
+    assert row.fit is not None
+    over = [r for r in row.fit.reasons if "too much" in r or r.startswith("GPUs:")]
+    return "; ".join(r.replace(" — too much", "") for r in over) or row.fit.verdict
+
+
+# --- preflight ---------------------------------------------------------------------------------
+
+
+def preflight(cfg: SFTConfig, model_config: Any, limits: Limits | None = None, *,
+              calibration: Calibration = DEFAULT_CALIBRATION) -> Estimate:
+    """Estimate ``cfg`` and check it against ``limits`` (default: this machine, :meth:`Limits.detect`).
+    Returns the estimate when it fits (or when a limit is unknown); raises
+    :class:`MemoryPreflightError` naming the estimate, the limit and the options that would fit."""
+    limits = limits if limits is not None else Limits.detect()
+    est = estimate(cfg, model_config, calibration=calibration)
+    fit = est.fits(limits)
+    if fit.fits:
+        return est
+    rows = plan_options(cfg, model_config, limits, calibration=calibration)
+    fitting = sorted((r for r in rows if r.fit is not None and r.fit.fits),
+                     key=lambda r: RELATIVE_STEP_TIME[(r.option.stage, r.option.offload)])
+    problems = "; ".join(r.replace(" — too much", "") for r in fit.reasons if "too much" in r or r.startswith("GPUs:"))
+    lines = [
+        f"memory preflight: {est.option.label} on {limits.describe()} does not fit: {problems}.",
+        f"  estimate: {est.summary(limits)}; {est.shape.describe()}; {_count(est.trainable_params)} trainable "
+        f"({est.precision}), micro-batch {est.micro_batch_size} × {est.seq_len} tokens, world size {est.world_size}"
+        f"{', gradient checkpointing' if est.gradient_checkpointing else ''}.",
+    ]
+    if fitting:
+        lines.append("  options that fit (fastest first): " + "; ".join(
+            f"--set {' '.join(r.option.overrides())} → {r.estimate.summary(limits)}" for r in fitting if r.estimate))
+    else:
+        rec = recommend(cfg, model_config, limits, rows=rows, calibration=calibration)
+        if rec is not None:
+            lines.append(f"  no stage or offload option fits as configured; this would: --set {' '.join(rec.overrides)} "
+                         f"{' '.join(rec.option.overrides())} ({rec.reason})")
+        else:
+            lines.append("  nothing fits this machine, not even micro-batch 1 with gradient checkpointing: use more or larger GPUs, "
+                         "shorten data.max_seq_length, or train an adapter instead of the full model.")
+    lines.append("  The table: python jobs/estimate.py with the same --config/--set. Pass --force to launch anyway.")
+    raise MemoryPreflightError("\n".join(lines), estimate=est, limits=limits, fit=fit, fitting=fitting)
+
+
+# --- formatting --------------------------------------------------------------------------------
+
+
+def _gib(n: int | float | None) -> str:
+    return "?" if n is None else f"{n / GIB:.1f} GiB" if n >= 0.1 * GIB else f"{n / MIB:.0f} MiB"
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def format_table(rows: list[PlanRow], limits: Limits) -> str:
+    """The component × option table (GiB) with totals and verdicts, as plain text."""
+    shown = [r for r in rows if r.estimate is not None]
+    if not shown:
+        return "no option is allowed for this config"
+    first = shown[0].estimate
+    assert first is not None
+    device_rows = list(first.device) + ["peak allocated", "peak reserved", *first.device_outside_allocator, "GPU total"]
+    host_rows = [k for k in first.host_worker] + ["workers on the node", *first.host_node, "host total per node"]
+    header = ["", *[r.option.label.replace(" + offload ", " +off ") for r in shown]]
+    lines: list[list[str]] = []
+
+    def value(est: Estimate, key: str, section: str) -> str:
+        n = est.workers_per_node(limits)
+        if section == "device":
+            table = {**est.device, **est.device_outside_allocator, "peak allocated": est.device_peak,
+                     "peak reserved": est.device_reserved, "GPU total": est.device_total}
+        else:
+            table = {**est.host_worker, **est.host_node, "workers on the node": est.host_workers(n), "host total per node": est.host_total(n)}
+        return f"{table.get(key, 0) / GIB:.2f}"
+
+    label = "per GPU (GiB)" if first.use_gpu else "per CPU worker, in host RAM (GiB)"
+    lines.append([label, *[""] * len(shown)])
+    for key in device_rows:
+        if not first.use_gpu and key in ("peak reserved", "GPU total"):
+            continue
+        lines.append([f"  {key}", *[value(r.estimate, key, "device") for r in shown if r.estimate]])
+    lines.append(["peak phase", *[r.estimate.device_peak_phase for r in shown if r.estimate]])
+    lines.append(["per worker process / node (GiB)", *[""] * len(shown)])
+    for key in host_rows:
+        lines.append([f"  {key}", *[value(r.estimate, key, "host") for r in shown if r.estimate]])
+    lines.append(["verdict", *[r.fit.verdict if r.fit else "" for r in shown]])
+    widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
+    out = ["  ".join(cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(row)) for row in [header, *lines]]
+    invalid = [f"{r.option.label}: not allowed ({r.invalid})" for r in rows if r.estimate is None]
+    return "\n".join(out + invalid)
+
+
+__all__ = [
+    "ALL_OPTIONS", "Calibration", "DEFAULT_CALIBRATION", "Estimate", "Fit", "Limits", "MemoryEstimateError",
+    "MemoryPreflightError", "ModelShape", "Option", "ParamSpec", "PlanRow", "Recommendation", "estimate", "format_table",
+    "load_model_config", "parameter_inventory", "parse_size", "plan_options", "preflight", "recommend", "trainable_params",
+]
+
