@@ -1,0 +1,378 @@
+"""The memory estimator: parameter counts against real models, the seeds' 7B DoRA hand analysis,
+ZeRO partitioning and offload arithmetic, formulas against allocator peaks measured on CPU, the
+verdicts, the preflight, the estimate CLI, and (Ray tier) host RSS of a real CPU training run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO, tiny_overrides
+from zerolab import adapters, memory
+from zerolab.config import AdapterSpec, load_config
+from zerolab.memory import GIB, Limits, MemoryPreflightError, ModelShape, Option
+
+QWEN25_7B = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                 num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
+QWEN25_05B = dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+LLAMA_SMALL = dict(model_type="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=3, num_attention_heads=8,
+                   num_key_value_heads=4, vocab_size=1000, tie_word_embeddings=False, attention_bias=True)
+GPU_7B_DORA = ["adapter.method=dora", "adapter.r=16", "scaling.use_gpu=true", "train.precision=bf16", "deepspeed.stage=0",
+               "data.max_seq_length=1024", "train.micro_batch_size=4", "model.gradient_checkpointing=true"]
+
+
+def gpu_cfg(*overrides: str, workers: int = 1):
+    return load_config(None, [*GPU_7B_DORA, f"scaling.num_workers={workers}", *overrides])
+
+
+# --- parameters by module ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [QWEN25_7B, QWEN25_05B, LLAMA_SMALL], ids=["qwen2.5-7b", "qwen2.5-0.5b", "llama"])
+def test_parameter_count_matches_the_real_model(shape):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**shape)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert ModelShape.from_config(config).num_params() == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("method", ["lora", "rslora", "dora", "adalora"])
+def test_trainable_count_matches_peft(method, tiny_model_path):
+    from transformers import AutoConfig
+
+    from zerolab.config import ModelSpec
+    from zerolab.models import load_model
+
+    spec = AdapterSpec(method=method, r=4, adalora_init_r=6)
+    model = adapters.apply_adapter(load_model(ModelSpec(name_or_path=tiny_model_path), torch.float32), spec, total_steps=10)
+    trainable, _ = adapters.parameter_counts(model)
+    assert memory.trainable_params(ModelShape.from_config(AutoConfig.from_pretrained(tiny_model_path)), spec) == trainable
+
+
+def test_seeds_7b_dora_hand_analysis():
+    """The seeds' analysis: 7B parameters = 14 GB in bf16; DoRA r=16 trains a tiny fraction; the
+    optimizer holds 8 bytes and the gradients 2 bytes per trainable parameter."""
+    shape = ModelShape.from_config(QWEN25_7B)
+    assert shape.num_params() == 7_615_616_512  # Qwen2.5-7B's published count
+
+    # DoRA, r=16 on the 7 projections, by hand: r·(in + out) + out per projection, 28 layers.
+    h, i, kv, r = 3584, 18944, 512, 16
+    per_layer = (r * (h + h) + h) + 2 * (r * (h + kv) + kv) + (r * (h + h) + h) + 2 * (r * (h + i) + i) + (r * (i + h) + h)
+    assert per_layer * 28 == 41_760_768
+    spec = AdapterSpec(method="dora", r=16)
+    assert memory.trainable_params(shape, spec) == 41_760_768 == adapters.lora_trainable_closed_form(_attrs(QWEN25_7B), spec)
+    # The seeds' "~7M (0.1%)" undercounts: with all 7 projections it is 41.8M, 0.55% of the model.
+    # Their conclusion stands: optimizer and gradients stay far below 1 GB.
+
+    est = memory.estimate(gpu_cfg(), QWEN25_7B)
+    P, T = est.total_params, est.trainable_params
+    assert est.device["weights"] == 2 * P and 14e9 < est.device["weights"] < 15.5e9  # "14 GB in bf16"
+    assert est.device["optimizer states"] == 8 * T  # "7M × 8 bytes"
+    assert est.device["gradients"] == 2 * T  # "7M × 2 bytes"
+    assert est.device["master weights"] == 4 * T  # DeepSpeed's fp32 master copy, which the seeds left out
+    assert est.device["optimizer states"] + est.device["gradients"] < 0.5 * GIB
+
+
+def test_seeds_conclusions_about_stages():
+    """With adapters ZeRO-1/2 save almost nothing; ZeRO-3 puts 14/N GB of weights on each GPU."""
+    stage0 = memory.estimate(gpu_cfg(workers=2), QWEN25_7B)
+    stage2 = memory.estimate(gpu_cfg("deepspeed.stage=2", workers=2), QWEN25_7B)
+    assert abs(stage2.device_peak - stage0.device_peak) < 0.01 * stage0.device_peak
+    for n in (2, 4):
+        stage3 = memory.estimate(gpu_cfg("deepspeed.stage=3", workers=n), QWEN25_7B)
+        partitioned = 2 * stage0.total_params / n
+        assert partitioned <= stage3.device["weights"] < partitioned * 1.01  # + small persistent params and fp32 adapters
+
+
+def _attrs(d: dict):
+    return type("Config", (), d)()
+
+
+# --- ZeRO and offload arithmetic ---------------------------------------------------------------
+
+
+def test_zero_stages_partition_what_they_should():
+    def est(stage: int, **kw):
+        cfg = load_config(None, ["adapter.method=full", "scaling.use_gpu=true", "scaling.num_workers=4", f"deepspeed.stage={stage}",
+                                 *[f"{k}={v}" for k, v in kw.items()]])
+        return memory.estimate(cfg, QWEN25_05B)
+
+    s0, s1, s2, s3 = (est(s) for s in range(4))
+    P = T = s0.total_params
+    assert s0.device["weights"] == 2 * P and s0.device["optimizer states"] == 8 * T and s0.device["master weights"] == 4 * T
+    assert s1.device["optimizer states"] == 8 * -(-T // 4) and s1.device["master weights"] == 4 * -(-T // 4)
+    assert s1.device["gradients"] == 2 * T  # stage 1 keeps whole gradients
+    assert s2.device["gradients"] == 2 * -(-T // 4)
+    assert s2.device["weights"] == s1.device["weights"] == 2 * P
+    assert 2 * P / 4 <= s3.device["weights"] < 2 * P / 4 * 1.01
+    # Qwen2.5-0.5B is smaller than stage3_max_reuse_distance (1e9 elements): ZeRO-3 keeps every
+    # gathered parameter until the backward pass reuses it, so the whole model sits on each GPU.
+    assert s3.device["gathered parameters"] >= 2 * P * 0.99
+    assert s0.device_peak > s1.device_peak >= s2.device_peak
+    assert s1.device_phases["optimizer step"] > s2.device_phases["optimizer step"]  # whole vs partitioned gradients
+
+
+def test_offload_moves_optimizer_and_parameters_to_host():
+    base = memory.estimate(gpu_cfg("deepspeed.stage=2", workers=2), QWEN25_7B)
+    off = memory.estimate(gpu_cfg("deepspeed.stage=2", "deepspeed.offload_optimizer=true", workers=2), QWEN25_7B)
+    T = off.trainable_params
+    assert off.device["optimizer states"] == off.device["master weights"] == off.device["gradients"] == 0
+    assert base.device["optimizer states"] > 0
+    # fp32 master, fp32 gradient and bit16 staging partitions (pinned) + AdamW states, per worker
+    assert off.host_worker["offloaded optimizer"] >= 18 * T / 2
+    assert off.host_worker["pinned-memory rounding"] > 0  # torch rounds pinned blocks up to powers of two
+
+    full = memory.estimate(gpu_cfg("deepspeed.stage=3", "deepspeed.offload_optimizer=true", "deepspeed.offload_param=true",
+                                   workers=2), QWEN25_7B)
+    assert full.device["weights"] < 0.01 * base.device["weights"]  # only the small persistent parameters stay
+    assert abs(full.host_worker["offloaded parameters"] - base.device["weights"] / 2) < 0.01 * base.device["weights"]
+    cpu = memory.estimate(load_config(None, ["deepspeed.stage=3", "deepspeed.offload_optimizer=true",
+                                             "deepspeed.offload_param=true"]), QWEN25_05B)
+    assert cpu.host_worker["pinned-memory rounding"] == 0  # nothing is pinned without CUDA
+
+
+def test_checkpointing_and_batch_scale_activations():
+    plain = memory.estimate(gpu_cfg("model.gradient_checkpointing=false"), QWEN25_7B)
+    ckpt = memory.estimate(gpu_cfg(), QWEN25_7B)
+    assert ckpt.device["activations"] < plain.device["activations"] / 5
+    tokens = 4 * 1024
+    assert ckpt.device["activations"] > 28 * 2 * 3584 * tokens  # every layer's input is kept
+    double = memory.estimate(gpu_cfg("model.gradient_checkpointing=false", "train.micro_batch_size=8"), QWEN25_7B)
+    assert double.device["activations"] == 2 * plain.device["activations"]
+    # The loss region: (e + 12) bytes per token and vocabulary entry.
+    assert plain.device["logits and loss"] == 14 * 152064 * tokens
+
+
+# --- formulas against what the CPU allocator really holds ------------------------------------
+
+
+SMALL = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=2048)
+
+
+def _small_model(tmp_path: Path) -> tuple[str, object]:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**SMALL, tie_word_embeddings=False, max_position_embeddings=512)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path / "small")
+    return str(tmp_path / "small"), config
+
+
+def _measured_peak(cfg, *, steps: int) -> int:
+    """Peak bytes allocated above the loaded model while running ``steps`` training steps the
+    way ``zerolab.train`` does (the model and optimizer built by its helpers, packed batches),
+    from the CPU allocator's events recorded by torch's profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from zerolab.data import MicroBatches
+    from zerolab.models import load_model
+    from zerolab.train import DTYPES, _build_optimizer
+
+    dtype = DTYPES[cfg.precision()]
+    model = load_model(cfg.model, dtype)
+    model.config.use_cache = False
+    if cfg.model.gradient_checkpointing and cfg.adapter.is_peft():
+        model.enable_input_require_grads()
+    model = adapters.apply_adapter(model, cfg.adapter, 10).to(dtype)  # DeepSpeed casts adapters to the training dtype
+    model.train()
+    optimizer = _build_optimizer(model, cfg)
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(64):
+        ids = rng.integers(3, SMALL["vocab_size"], 32)
+        rows.append((ids, np.where(np.arange(32) < 8, -100, ids)))
+    batches = MicroBatches(rows, micro_batch_size=cfg.train.micro_batch_size, max_seq_length=cfg.data.max_seq_length,
+                           packing=True, pad_id=0, seed=0).sequential()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = None
+        for b in batches[:steps]:
+            assert b.inputs["input_ids"].shape == (cfg.train.micro_batch_size, cfg.data.max_seq_length)
+            out = model(**b.inputs, num_items_in_batch=torch.tensor(float(b.num_targets)))
+            out.loss.backward()
+            if steps > 1:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        del out
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("overrides", [
+    [], ["adapter.method=full"], ["adapter.dropout=0.0"], ["adapter.method=dora"], ["adapter.method=rslora", "train.micro_batch_size=2"],
+    ["adapter.target_modules=[q_proj,v_proj]"], ["model.gradient_checkpointing=true"],
+    ["adapter.method=full", "model.gradient_checkpointing=true"], ["model.attn_implementation=eager"],
+], ids=["lora", "full", "lora-no-dropout", "dora", "rslora-b2", "lora-qv", "lora-ckpt", "full-ckpt", "eager"])
+def test_fp32_training_peak_matches_the_allocator(tmp_path, overrides):
+    """Two fp32 ZeRO-0 steps on CPU (torch AdamW, no DeepSpeed wrapper: what a 1-worker CPU run
+    does): the predicted peak above the weights is within 3% of the allocator's (measured: ≤ 1%)."""
+    path, config = _small_model(tmp_path)
+    cfg = load_config(None, [f"model.name_or_path={path}", "scaling.num_workers=1", "deepspeed.stage=0", "data.packing=true",
+                             "train.micro_batch_size=4", "data.max_seq_length=128", *overrides])
+    measured = _measured_peak(cfg, steps=2)
+    est = memory.estimate(cfg, config)
+    predicted = est.device_peak - est.device["weights"]
+    assert abs(predicted - measured) <= 0.03 * measured, (predicted, measured)
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_bf16_forward_backward_matches_the_allocator(tmp_path, method):
+    """bf16 (fp32 RMSNorm internals and loss upcast): one forward and backward within 3%."""
+    path, config = _small_model(tmp_path)
+    cfg = load_config(None, [f"model.name_or_path={path}", "scaling.num_workers=1", "deepspeed.stage=0", "data.packing=true",
+                             "train.precision=bf16", "train.micro_batch_size=4", "data.max_seq_length=128", f"adapter.method={method}"])
+    measured = _measured_peak(cfg, steps=1)
+    est = memory.estimate(cfg, config)
+    persistent = sum(est.device[k] for k in ("weights", "master weights", "optimizer states", "framework"))
+    predicted = est.device_phases["forward/backward"] - persistent
+    assert abs(predicted - measured) <= 0.03 * measured, (predicted, measured)
+
+
+# --- limits, verdicts, recommendation, preflight ----------------------------------------------
+
+
+def test_parse_size():
+    assert memory.parse_size("24GiB") == 24 * GIB
+    assert memory.parse_size("80GB") == 80 * 10**9
+    assert memory.parse_size("500MiB") == 500 * 2**20
+    assert memory.parse_size("64G") == 64 * GIB
+    assert memory.parse_size("1.5 TiB") == int(1.5 * 2**40)
+    for bad in ("", "24 gigs", "GiB", "-1G", "12iB"):
+        with pytest.raises(ValueError, match="not a size"):
+            memory.parse_size(bad)
+
+
+def test_fits_checks_every_known_limit():
+    est = memory.estimate(gpu_cfg(workers=2), QWEN25_7B)
+    big = est.fits(Limits(gpu_mem_bytes=80 * GIB, gpus_per_node=2, host_mem_bytes=256 * GIB))
+    assert big.fits and not big.tight and len(big.reasons) == 2
+    small = est.fits(Limits(gpu_mem_bytes=16 * GIB, gpus_per_node=2, host_mem_bytes=256 * GIB))
+    assert not small.fits and any("GPU:" in r and "too much" in r for r in small.reasons)
+    few = est.fits(Limits(gpu_mem_bytes=80 * GIB, gpus_per_node=1, host_mem_bytes=256 * GIB))
+    assert not few.fits and any("needs 2" in r for r in few.reasons)
+    ram = est.fits(Limits(gpu_mem_bytes=80 * GIB, gpus_per_node=2, host_mem_bytes=16 * GIB))
+    assert not ram.fits and any(r.startswith("host:") and "too much" in r for r in ram.reasons)
+    unknown = est.fits(Limits())
+    assert unknown.fits and all("not checked" in r for r in unknown.reasons)
+
+
+def test_detected_limits_describe_this_machine():
+    limits = Limits.detect()
+    assert limits.host_mem_bytes and limits.host_mem_bytes > GIB
+    assert (limits.gpus_per_node is None) == (not torch.cuda.is_available())
+
+
+def test_recommendation_follows_the_seeds():
+    """One large GPU: ZeRO-0 (fastest). 2 × 24 GB where ZeRO-0 does not fit: ZeRO-3 (weights /2),
+    not offload. Fewer GPUs than workers: one worker per GPU."""
+    cfg = gpu_cfg(workers=1)
+    rec = memory.recommend(cfg, QWEN25_7B, Limits(gpu_mem_bytes=80 * GIB, gpus_per_node=1, host_mem_bytes=256 * GIB))
+    assert rec is not None and rec.option == Option(0) and "fastest" in rec.reason
+
+    two = gpu_cfg(workers=2)
+    limits = Limits(gpu_mem_bytes=24 * GIB, gpus_per_node=2, host_mem_bytes=256 * GIB)
+    assert not memory.estimate(two, QWEN25_7B).fits(limits).fits
+    rec = memory.recommend(two, QWEN25_7B, limits)
+    assert rec is not None and rec.option == Option(3) and rec.overrides == () and "ZeRO-0" in rec.reason
+
+    rec = memory.recommend(two, QWEN25_7B, Limits(gpu_mem_bytes=80 * GIB, gpus_per_node=1, host_mem_bytes=256 * GIB))
+    assert rec is not None and rec.overrides[0] == "scaling.num_workers=1"
+
+
+def test_recommendation_shrinks_the_batch_when_no_option_fits():
+    cfg = gpu_cfg("data.max_seq_length=4096", "train.micro_batch_size=16", workers=1)
+    rec = memory.recommend(cfg, QWEN25_7B, Limits(gpu_mem_bytes=24 * GIB, gpus_per_node=1, host_mem_bytes=256 * GIB))
+    assert rec is not None and any(o.startswith("train.micro_batch_size=") for o in rec.overrides)
+    assert memory.recommend(cfg, QWEN25_7B, Limits(gpu_mem_bytes=2 * GIB, gpus_per_node=1, host_mem_bytes=256 * GIB)) is None
+
+
+def test_adalora_only_plans_stage_0():
+    cfg = load_config(None, ["adapter.method=adalora", "adapter.r=4", "deepspeed.stage=0", "train.precision=fp32"])
+    rows = memory.plan_options(cfg, QWEN25_05B)
+    assert [r.option for r in rows if r.estimate is not None] == [Option(0)]
+    assert all("adalora" in (r.invalid or "") for r in rows if r.estimate is None)
+
+
+def test_preflight_refuses_with_the_estimate_the_limit_and_what_fits():
+    cfg = gpu_cfg(workers=2)
+    limits = Limits(gpu_mem_bytes=24 * GIB, gpus_per_node=2, host_mem_bytes=256 * GIB)
+    with pytest.raises(MemoryPreflightError) as info:
+        memory.preflight(cfg, QWEN25_7B, limits)
+    exc = info.value
+    assert isinstance(exc, ValueError)
+    message = str(exc)
+    est = memory.estimate(cfg, QWEN25_7B)
+    assert f"{est.device_total / GIB:.1f} GiB of 24.0 GiB per GPU" in message
+    assert "--set deepspeed.stage=3 deepspeed.offload_optimizer=false deepspeed.offload_param=false" in message
+    assert exc.fitting and exc.fitting[0].option == Option(3) and exc.estimate.option == Option(0)
+
+    fine = memory.preflight(cfg, QWEN25_7B, Limits(gpu_mem_bytes=80 * GIB, gpus_per_node=2, host_mem_bytes=256 * GIB))
+    assert fine.option == Option(0)
+    default = load_config(None, [])
+    assert memory.preflight(default, memory.load_model_config(default)).option == Option(2)  # this machine, CPU training
+
+
+def test_unsupported_model_config_is_a_clear_error():
+    with pytest.raises(memory.MemoryEstimateError, match="Llama/Qwen2-style"):
+        memory.estimate(load_config(None, []), {"model_type": "gpt2", "n_embd": 768})
+
+
+# --- the CLI -----------------------------------------------------------------------------------
+
+
+def run_estimate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "jobs" / "estimate.py"), *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_plans_a_machine():
+    proc = run_estimate("--config", str(REPO / "jobs/configs/math_qwen2.5_7b_lora.yaml"), "--gpus", "2", "--gpu-mem", "16GiB",
+                        "--host-mem", "64GiB")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "2 × 16.0 GiB GPU, 64.0 GiB host RAM (planned)" in out
+    assert "GPU total" in out and "host total per node" in out and "does not fit" in out
+    assert "this config (ZeRO-0): does not fit" in out
+    assert "recommendation: ZeRO-3 fits" in out and "--set deepspeed.stage=3" in out
+
+
+def test_cli_config_error_exits_2_without_traceback():
+    proc = run_estimate("--set", "adapter.r=0", "--gpu-mem", "lots")
+    assert proc.returncode == 2
+    assert "adapter.r" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# --- Ray tier: host memory of a real CPU training run ------------------------------------------
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("extra", [
+    {},
+    {"deepspeed.stage": 0, "data.packing": "true", "data.max_seq_length": 512, "train.micro_batch_size": 32,
+     "data.num_train_rows": 2400, "train.max_steps": 4},
+], ids=["tiny-default", "tiny-16k-token-batches"])
+def test_host_estimate_matches_a_cpu_run(ray_cluster, tmp_path, extra):
+    """The summed worker RSS peak of a real 2-worker CPU run (``mem/host_rss_peak_gib``) is within
+    ±20% of ``host_workers``. Why 20% and not the GPU target's 15%: on CPU the tensors live in glibc's
+    heap, whose retention of freed chunks varies run to run (1.5-2.1× the live peak, modelled by
+    ``host_cpu_tensor_factor``), and Ray may hand a train worker a pooled process that already ran
+    a data task; the default run checks the per-process baseline, the second one a run where the
+    tensors (1.4 GiB predicted per worker) outweigh it."""
+    from zerolab.run import run_sft
+
+    cfg = load_config(None, tiny_overrides(tmp_path, **extra))
+    result = run_sft(cfg)
+    measured = result.metrics["mem/host_rss_peak_gib"] * GIB
+    predicted = memory.estimate(cfg, memory.load_model_config(cfg)).host_workers(2)
+    assert abs(predicted - measured) <= 0.20 * measured, (predicted / GIB, measured / GIB)
