@@ -3,7 +3,9 @@
     ray job submit --working-dir . -- python jobs/sft.py --config jobs/configs/math_tiny.yaml --set adapter.r=16
     python jobs/sft.py        # embedded default: tiny Qwen2 on math_sum, 2 CPU workers, ZeRO-2, ~2 minutes
 
-Exit codes: 0 done, 1 training failed, 2 bad configuration, data or environment (nothing ran).
+A run whose name exists resumes from its last checkpoint; Ctrl-C checkpoints and stops (relaunch resumes).
+Exit codes: 0 done, 1 training failed, 2 bad configuration, data, checkpoint or environment (nothing ran),
+130 stopped by Ctrl-C/SIGTERM.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="job YAML (default: the embedded default job)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. --set adapter.r=16")
+    parser.add_argument("--restart", action="store_true", help="discard an existing run of this name (and its checkpoints) and start over")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
 
@@ -28,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     from zerolab.config import load_config
     from zerolab.run import run_sft
 
-    return run_and_report(lambda: run_sft(load_config(args.config, args.set), config_file=args.config))
+    return run_and_report(lambda: run_sft(load_config(args.config, args.set), config_file=args.config, restart=args.restart))
 
 
 if __name__ == "__main__":

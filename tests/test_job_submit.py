@@ -78,12 +78,16 @@ def test_ray_job_submit_ships_zerolab(tmp_path, tiny_model_path):
             time.sleep(2)
         else:
             pytest.fail(f"the Ray head did not come up: {ok.stderr[-2000:]}")
-        submit = subprocess.run(
-            [str(python), "-m", "ray.scripts.scripts", "job", "submit", "--address", address, "--working-dir", str(work),
-             "--", "python", "jobs/sft.py", "--config", "small.yaml"],
-            env=env, capture_output=True, text=True, timeout=600,
-        )
-        output = submit.stdout + submit.stderr
+        for _ in range(30):  # the job API answers before the node's agent can take jobs
+            submit = subprocess.run(
+                [str(python), "-m", "ray.scripts.scripts", "job", "submit", "--address", address, "--working-dir", str(work),
+                 "--", "python", "jobs/sft.py", "--config", "small.yaml"],
+                env=env, capture_output=True, text=True, timeout=600,
+            )
+            output = submit.stdout + submit.stderr
+            if "No available agent to submit job" not in output:
+                break
+            time.sleep(2)
         assert submit.returncode == 0 and "' succeeded" in output, output[-4000:]
     finally:
         os.killpg(head.pid, signal.SIGTERM)

@@ -9,26 +9,37 @@ from typing import Any
 USER_ERROR = 2
 """Exit code for problems the user can fix (config, data, model, environment): nothing ran."""
 TRAINING_FAILED = 1
+INTERRUPTED = 130
+"""Stopped by SIGINT/SIGTERM (128 + SIGINT, the shell convention)."""
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
+    from zerolab.checkpoints import CheckpointError
     from zerolab.config import ConfigError
     from zerolab.data import DataError
     from zerolab.models import ModelLoadError
     from zerolab.run import EnvironmentProblem
 
-    return ConfigError, DataError, ModelLoadError, EnvironmentProblem
+    return ConfigError, DataError, ModelLoadError, EnvironmentProblem, CheckpointError
 
 
 def run_and_report(job: Callable[[], Any]) -> int:
     """Run ``job``; print its summary, or the error without a traceback, and return the exit code."""
     from ray.train import TrainingFailedError
 
+    from zerolab.run import Interrupted
+
     try:
         result = job()
     except user_errors() as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return USER_ERROR
+    except Interrupted as exc:
+        print(f"\ninterrupted: {exc}", file=sys.stderr)
+        return INTERRUPTED
+    except KeyboardInterrupt:
+        print("\naborted without a checkpoint; a relaunch resumes from the last saved one", file=sys.stderr)
+        return INTERRUPTED
     except TrainingFailedError as exc:
         print(f"\ntraining failed: {root_cause(exc)}", file=sys.stderr)
         return TRAINING_FAILED

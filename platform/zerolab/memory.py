@@ -88,10 +88,10 @@ class Calibration:
     context, loaded kernel images, cuBLAS/cuDNN handles."""
     nccl_bytes: int = 512 * MIB
     """Per GPU process when world size > 1, outside torch's allocator: NCCL communicator buffers."""
-    host_process_cpu_bytes: int = 760 * MIB
+    host_process_cpu_bytes: int = 720 * MIB
     """Host RSS of one Ray Train worker training on CPU, without its tensors: Python, torch,
-    transformers, peft, DeepSpeed, Ray's worker runtime (measured: 0.79 GiB per worker for the tiny
-    model, whose tensors are a few MiB)."""
+    transformers, peft, DeepSpeed, Ray's worker runtime (measured: 0.75-0.84 GiB per worker in
+    runs of the tiny model, whose tensors take 0.1 GiB)."""
     host_process_gpu_bytes: int = 2560 * MIB
     """The same on a GPU worker: adds the CUDA runtime and the host side of the CUDA context, cuBLAS,
     cuDNN and NCCL."""
@@ -102,8 +102,10 @@ class Calibration:
     conversion adds a private copy. Measured on CPU: +1.0× the file once every tensor is read."""
     host_cpu_tensor_factor: float = 1.5
     """CPU training only: worker RSS growth / peak bytes of live tensors. glibc keeps freed heap
-    chunks of activation-sized tensors mapped, so RSS runs ahead of what is allocated (measured
-    1.5× in a Ray run of the tiny model with 16k-token micro-batches, 2.1× in a single process)."""
+    chunks of activation-sized tensors mapped, so RSS runs ahead of what is allocated, by an
+    amount that depends on the allocation pattern: measured 1.2× (full fine-tuning), 1.5× (LoRA)
+    and 2.9× (LoRA with gradient checkpointing) in Ray runs of the tiny model with 16k-token
+    micro-batches; 1.0× with ``MALLOC_MMAP_THRESHOLD_=65536`` in the workers' environment."""
     host_ray_node_bytes: int = 3 * GIB
     """Per node, outside the training workers (so not in ``mem/host_rss_peak_gib``): raylet, GCS,
     dashboard, the driver with its tokenizer and Ray Data, idle pooled Ray workers."""

@@ -3,12 +3,16 @@ worker starts, prepare the data, open the MLflow run and run the ``TorchTrainer`
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import logging
 import os
 import platform as _platform
+import signal
 import tempfile
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +21,7 @@ import yaml
 
 import zerolab
 from zerolab import ds_config, tracking
+from zerolab.checkpoints import prepare_run_folder
 from zerolab.config import ConfigError, SFTConfig
 from zerolab.data import DataError, SplitReport, prepare_split, quiet_ray_data_logging
 from zerolab.models import cache_dir, linear_module_names, resolve_model_path
@@ -40,36 +45,101 @@ class RunResult:
     data: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
-def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None) -> RunResult:
-    """Run one SFT job end to end and return where its results are. Raises ConfigError, DataError,
-    ModelLoadError or EnvironmentProblem for user-fixable problems, before any worker starts."""
+def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: bool = False) -> RunResult:
+    """Run one SFT job end to end and return where its results are.
+
+    A job whose run folder exists resumes from its latest checkpoint; ``restart`` discards the
+    folder first. Raises ConfigError, DataError, ModelLoadError, CheckpointError or
+    EnvironmentProblem for user-fixable problems, before any worker starts. The first SIGINT or
+    SIGTERM asks the workers to checkpoint and stop at the next step (the run ends KILLED and a
+    relaunch resumes it); a second one aborts at once.
+    """
     connect_ray(cfg)
     check_resources(cfg)
     model_path = resolve_model_path(cfg.model.name_or_path)
     resolved_ds = check_against_model(cfg)
     splits, reports = prepare_data(cfg, model_path)
+    resume_from = prepare_run_folder(cfg, storage_path(cfg), restart=restart)
+    if resume_from:
+        logger.info("resuming %s from %s", cfg.run.name, resume_from)
 
     uri = tracking.tracking_uri(cfg.tracking.uri)
-    run_id, resumed = tracking.open_run(uri, cfg.tracking.experiment, cfg.run.name, tags=run_tags(cfg))
+    run_id, resumed = tracking.open_run(uri, cfg.tracking.experiment, cfg.run.name, tags=run_tags(cfg), new=restart)
     logger.info("MLflow run %s (%s) in experiment '%s' at %s", run_id, "resumed" if resumed else "new", cfg.tracking.experiment, uri)
     status = "FAILED"
     try:
         tracking.log_params(uri, run_id, {**cfg.flat(), **derived_params(cfg, reports)})
         _log_inputs(uri, run_id, cfg, resolved_ds, reports, config_file)
-        result = build_trainer(cfg, resolved_ds, splits, uri, run_id).fit()
+        stop = StopSignal()
+        with stop.installed():
+            result = build_trainer(cfg, resolved_ds, splits, uri, run_id, stop.flag).fit()
         checkpoint = result.checkpoint
         assert checkpoint is not None, "the run finished without a final checkpoint"
+        metrics = dict(result.metrics or {})
+        if metrics.get("stopped"):
+            status = "KILLED"
+            raise Interrupted(f"stopped at step {metrics['step']}; checkpoint saved at {checkpoint.path}. "
+                              "Relaunch the same command to resume.")
         with checkpoint.as_directory() as folder:
             tracking.log_artifact(uri, run_id, Path(folder) / "adapter", "adapter")
         status = "FINISHED"
         adapter = f"{checkpoint.path.rstrip('/')}/adapter"
         return RunResult(run_id=run_id, run_name=cfg.run.name, tracking_uri=uri, checkpoint_path=checkpoint.path,
-                         adapter_path=adapter, metrics=dict(result.metrics or {}), data={k: r.to_dict() for k, r in reports.items()})
+                         adapter_path=adapter, metrics=metrics, data={k: r.to_dict() for k, r in reports.items()})
     except KeyboardInterrupt:
         status = "KILLED"
         raise
     finally:
         tracking.close_run(uri, run_id, status)
+
+
+class Interrupted(RuntimeError):
+    """The run stopped on request after saving a checkpoint."""
+
+
+class StopSignal:
+    """A flag the workers poll once per step, set by the first SIGINT/SIGTERM the driver gets.
+
+    Rank 0 reads it and shares it through the step's all-reduce, so every rank stops after the
+    same step and joins the final checkpoint's collectives.
+    """
+
+    def __init__(self) -> None:
+        import ray
+
+        @ray.remote(num_cpus=0)
+        class _Flag:
+            def __init__(self) -> None:
+                self.value = False
+
+            def set(self) -> None:
+                self.value = True
+
+            def get(self) -> bool:
+                return self.value
+
+        self.flag = _Flag.remote()
+        self._requested = False
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self._requested:
+            raise KeyboardInterrupt
+        self._requested = True
+        self.flag.set.remote()
+        logger.warning("%s received: the workers will save a checkpoint and stop after the current step "
+                       "(send it again to abort without a checkpoint)", signal.Signals(signum).name)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signal handlers can only be set from the main thread
+            return
+        previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
 
 def connect_ray(cfg: SFTConfig) -> None:
@@ -226,7 +296,8 @@ def _log_inputs(uri: str, run_id: str, cfg: SFTConfig, resolved_ds: dict[str, An
         tracking.log_artifact(uri, run_id, folder, "config")
 
 
-def build_trainer(cfg: SFTConfig, resolved_ds: dict[str, Any], datasets: dict[str, Any], uri: str | None, run_id: str | None) -> Any:
+def build_trainer(cfg: SFTConfig, resolved_ds: dict[str, Any], datasets: dict[str, Any], uri: str | None, run_id: str | None,
+                  stop_flag: Any = None) -> Any:
     """The TorchTrainer for this job (Ray Train V2): same name and storage path = same run, resumed."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -242,6 +313,7 @@ def build_trainer(cfg: SFTConfig, resolved_ds: dict[str, Any], datasets: dict[st
             "sft": cfg.to_dict(),
             "deepspeed": resolved_ds,
             "tracking": {"uri": uri, "run_id": run_id} if run_id else None,
+            "stop_flag": stop_flag,
         },
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=resources,

@@ -35,12 +35,13 @@ def _client(uri: str) -> Any:
     return MlflowClient(tracking_uri=uri)
 
 
-def open_run(uri: str, experiment: str, run_name: str, tags: dict[str, str] | None = None) -> tuple[str, bool]:
-    """Find the run named ``run_name`` in ``experiment`` or create it; returns (run_id, resumed)."""
+def open_run(uri: str, experiment: str, run_name: str, tags: dict[str, str] | None = None, *, new: bool = False) -> tuple[str, bool]:
+    """Find the newest run named ``run_name`` in ``experiment`` (unless ``new``) or create one;
+    returns (run_id, resumed)."""
     client = _client(uri)
     exp = client.get_experiment_by_name(experiment)
     experiment_id = exp.experiment_id if exp is not None else client.create_experiment(experiment)
-    found = client.search_runs(
+    found = [] if new else client.search_runs(
         [experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'", max_results=1, order_by=["attributes.start_time DESC"]
     )
     if found:

@@ -88,18 +88,20 @@ def train_loop_per_worker(config: dict) -> None:
     stream = batches.iterate(start=start_step * cfg.train.grad_accum_steps)
     tracker = None
     if rank == 0 and config.get("tracking"):
-        from zerolab.tracking import MetricsLogger
+        from zerolab.tracking import MetricsLogger, log_params
 
         tracker = MetricsLogger(config["tracking"]["uri"], config["tracking"]["run_id"])
-        if start_step == 0:
-            from zerolab.tracking import log_params
-
+        if start_step > 0:
+            tracker.log({"train/resumed_from_step": start_step}, step=start_step)
+        else:
             log_params(config["tracking"]["uri"], config["tracking"]["run_id"],
                        {"derived.trainable_params": trainable, "derived.total_params": total, "derived.total_steps": total_steps})
 
     flops_per_token = perf.train_flops_per_token(total, trainable, cfg.adapter.method == "full")
     peak_flops = perf.peak_flops(device) * world
-    window = torch.zeros(2, dtype=torch.float64, device=device)  # sum of step losses, non-padding tokens
+    stop_flag = config.get("stop_flag")
+    # Sum of step losses, non-padding tokens, and rank 0's "stop requested" (all-reduced together).
+    window = torch.zeros(3, dtype=torch.float64, device=device)
     window_steps, window_start = 0, time.perf_counter()
     run_start = window_start
     log_every, ckpt_every = cfg.train.log_every_n_steps, cfg.train.checkpoint_every_n_steps
@@ -123,8 +125,13 @@ def train_loop_per_worker(config: dict) -> None:
         window_steps += 1
 
         done = step + 1
+        stop = False
         if done % log_every == 0 or done == total_steps:
+            # The driver's stop request is read here, where the loop synchronises anyway.
+            if rank == 0 and stop_flag is not None:
+                window[2] = float(ray.get(stop_flag.get.remote()))
             dist.all_reduce(window)
+            stop = window[2].item() > 0
             elapsed = time.perf_counter() - window_start
             metrics = {
                 "train/loss": window[0].item() / (world * window_steps),
@@ -147,9 +154,9 @@ def train_loop_per_worker(config: dict) -> None:
             window.zero_()
             window_steps, window_start = 0, time.perf_counter()
 
-        if done == total_steps or (ckpt_every and done % ckpt_every == 0):
+        if stop or done == total_steps or (ckpt_every and done % ckpt_every == 0):
             final = done == total_steps
-            report = {"step": done, **metrics}
+            report = {"step": done, **metrics, **({"stopped": 1} if stop and not final else {})}
             if final:
                 report["perf/wall_s"] = time.perf_counter() - run_start
             if _has_eval():
@@ -158,6 +165,9 @@ def train_loop_per_worker(config: dict) -> None:
                 if tracker is not None:
                     tracker.log({"eval/loss": report["eval/loss"]}, step=done)
             _save_and_report(engine, cfg, tokenizer, done, report, final=final)
+            if stop:
+                log_rank0("stopped on request after step %d; relaunch to resume", done)
+                return
 
 
 def _total_steps(cfg: SFTConfig, batches_per_epoch: int, device: torch.device) -> int:
@@ -317,10 +327,17 @@ def _restore(engine: Any, rank: int) -> int:
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return 0
+    from zerolab.checkpoints import CheckpointError
+
     with checkpoint.as_directory() as folder:
-        path, client_state = engine.load_checkpoint(str(Path(folder) / "deepspeed"), tag="state")
+        try:
+            path, client_state = engine.load_checkpoint(str(Path(folder) / "deepspeed"), tag="state")
+        except (OSError, RuntimeError, KeyError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint {checkpoint.path} cannot be loaded ({type(exc).__name__}: {exc}); "
+                                  "delete it to resume from an earlier one, or pass --restart") from exc
         if path is None:
-            raise RuntimeError(f"checkpoint {checkpoint.path} holds no DeepSpeed state; it is incomplete or corrupt")
+            raise CheckpointError(f"checkpoint {checkpoint.path} holds no DeepSpeed state; it is incomplete. "
+                                  "Delete it to resume from an earlier one, or pass --restart")
         rng_file = Path(folder) / f"rng_rank{rank}.pt"
         if rng_file.is_file():
             _set_rng_state(torch.load(rng_file, weights_only=False))

@@ -1,0 +1,202 @@
+"""Failures on purpose: a worker killed mid-run, a driver killed and relaunched, Ctrl-C, a corrupt
+checkpoint, a changed config on relaunch, bad data and a bad environment. Real Ray, DeepSpeed, MLflow."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, tiny_overrides
+from zerolab.checkpoints import CheckpointError
+from zerolab.config import load_config
+from zerolab.run import EnvironmentProblem, run_sft
+
+pytestmark = pytest.mark.ray
+
+LONG = {"train.max_steps": 40, "train.checkpoint_every_n_steps": 10, "train.log_every_n_steps": 5, "train.micro_batch_size": 16,
+        "data.num_train_rows": 256}
+
+
+def latest_checkpoint(run_dir: Path) -> str | None:
+    snapshot = run_dir / "checkpoint_manager_snapshot.json"
+    if not snapshot.is_file():
+        return None
+    try:
+        latest = json.loads(snapshot.read_text()).get("latest_checkpoint_result")
+    except json.JSONDecodeError:  # being written
+        return None
+    if isinstance(latest, str):
+        latest = json.loads(latest)
+    return (latest or {}).get("checkpoint_dir_name")
+
+
+def wait_for_checkpoint(run_dir: Path, timeout: float = 240) -> str:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        name = latest_checkpoint(run_dir)
+        if name:
+            return name
+        time.sleep(0.05)
+    raise AssertionError(f"no checkpoint appeared in {run_dir}")
+
+
+def adapter_tensors(adapter_path: str) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(adapter_path) / "adapter_model.safetensors"))
+
+
+def metric_steps(uri: str, run_id: str, key: str) -> list[int]:
+    from mlflow import MlflowClient
+
+    return sorted(m.step for m in MlflowClient(uri).get_metric_history(run_id, key))
+
+
+def runs_named(uri: str, experiment: str, name: str):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    return [r for r in client.search_runs([exp.experiment_id]) if r.info.run_name == name]
+
+
+def test_killed_worker_is_replaced_and_the_run_matches_an_uninterrupted_one(ray_cluster, tmp_path, tiny_model_path):
+    from ray.util.state import list_actors
+
+    reference = run_sft(load_config(None, tiny_overrides(tmp_path / "a", **LONG)))
+
+    cfg = load_config(None, tiny_overrides(tmp_path / "b", **LONG, **{"run.max_failures": 1}))
+    outcome: dict = {}
+    thread = threading.Thread(target=lambda: outcome.setdefault("result", run_sft(cfg)), daemon=True)
+    thread.start()
+    run_dir = Path(cfg.run.storage_path) / cfg.run.name
+    first = wait_for_checkpoint(run_dir)
+    import ray
+
+    workers = list_actors(address=ray.get_runtime_context().gcs_address, detail=True,
+                          filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+    assert workers, "no training workers to kill"
+    os.kill(workers[-1].pid, signal.SIGKILL)  # as the kernel's OOM killer would
+    thread.join(timeout=600)
+    result = outcome["result"]
+
+    assert first != "checkpoint_0000040", "the run finished before a worker could be killed"
+    resumed = metric_steps(result.tracking_uri, result.run_id, "train/resumed_from_step")
+    assert resumed and resumed[0] >= 10, resumed  # restarted from a checkpoint, not from step 0
+    assert metric_steps(result.tracking_uri, result.run_id, "train/loss") == list(range(5, 41, 5))  # each step once
+    assert len(runs_named(result.tracking_uri, "tests", cfg.run.name)) == 1
+    expected, got = adapter_tensors(reference.adapter_path), adapter_tensors(result.adapter_path)
+    assert expected.keys() == got.keys()
+    for key in expected:
+        assert torch.allclose(expected[key], got[key], atol=1e-5), key
+
+
+def sft_command(tmp_path: Path, **extra) -> list[str]:
+    args = [sys.executable, str(REPO / "jobs" / "sft.py")]
+    for item in tiny_overrides(tmp_path, **{**LONG, **extra}):
+        args += ["--set", item]
+    return args
+
+
+def test_killed_driver_relaunch_resumes_with_each_step_logged_once(tmp_path, tiny_model_path):
+    cmd = sft_command(tmp_path, **{"run.name": "driver-killed"})
+    first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    run_dir = tmp_path / "runs" / "driver-killed"
+    try:
+        checkpoint = wait_for_checkpoint(run_dir)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    assert checkpoint != "checkpoint_0000040"
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (run,) = runs_named(uri, "tests", "driver-killed")
+    assert run.info.status == "FINISHED"
+    assert metric_steps(uri, run.info.run_id, "train/loss") == list(range(5, 41, 5))
+    assert metric_steps(uri, run.info.run_id, "train/resumed_from_step")
+
+
+def test_ctrl_c_checkpoints_marks_killed_and_relaunch_finishes(tmp_path, tiny_model_path):
+    cmd = sft_command(tmp_path, **{"run.name": "interrupted", "train.max_steps": 400, "train.checkpoint_every_n_steps": 1000})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "step 10/400" in line:
+            proc.send_signal(signal.SIGINT)
+            break
+    rest, _ = proc.communicate(timeout=300)
+    output = "".join(lines) + rest
+    assert proc.returncode == 130, output[-3000:]
+    assert "interrupted: stopped at step" in output and "Traceback" not in output
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (run,) = runs_named(uri, "tests", "interrupted")
+    assert run.info.status == "KILLED"
+    stopped_at = int(latest_checkpoint(tmp_path / "runs" / "interrupted").rsplit("_", 1)[1])
+    assert 10 <= stopped_at < 400
+
+    relaunch = subprocess.run(sft_command(tmp_path, **{"run.name": "interrupted", "train.max_steps": 400,
+                                                       "train.checkpoint_every_n_steps": 1000}),
+                              capture_output=True, text=True, timeout=900)
+    assert relaunch.returncode == 0, relaunch.stderr[-3000:]
+    (run,) = runs_named(uri, "tests", "interrupted")
+    assert run.info.status == "FINISHED"
+    assert metric_steps(uri, run.info.run_id, "train/loss") == list(range(5, 401, 5))
+    assert metric_steps(uri, run.info.run_id, "train/resumed_from_step") == [stopped_at]
+
+
+def test_corrupt_checkpoint_and_changed_config_are_clear_errors(ray_cluster, tmp_path, tiny_model_path):
+    overrides = tiny_overrides(tmp_path, **{"train.max_steps": 4})
+    result = run_sft(load_config(None, overrides))
+    checkpoint = Path(result.checkpoint_path)
+
+    with pytest.raises(CheckpointError, match=r"different training config \(adapter.r: 8 -> 16\)"):
+        run_sft(load_config(None, [*overrides, "adapter.r=16"]))
+
+    state = checkpoint / "deepspeed" / "state" / "mp_rank_00_model_states.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="is corrupt: mp_rank_00_model_states.pt cannot be read"):
+        run_sft(load_config(None, overrides))
+
+    restarted = run_sft(load_config(None, [*overrides, "adapter.r=16"]), restart=True)
+    assert restarted.run_id != result.run_id  # a restart is a new MLflow run
+
+
+def test_bad_data_exits_2_with_file_and_line(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"text": "张伟在北京", "label": {"name": ["张伟"]}}\n{"text": "x"\n', encoding="utf-8")
+    proc = subprocess.run(sft_command(tmp_path, **{"data.task": "ner_json", "data.train_path": str(path)}),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "1 of 2 rows (50.0%) are malformed" in proc.stderr and "train.jsonl:2: invalid JSON" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_bad_environment_messages(ray_cluster, tmp_path, tiny_model_path, monkeypatch):
+    with pytest.raises(EnvironmentProblem, match="scaling.use_gpu=true but the Ray cluster has no GPUs"):
+        run_sft(load_config(None, tiny_overrides(tmp_path, **{"scaling.use_gpu": "true"})))
+    with pytest.raises(EnvironmentProblem, match="the cluster has 2"):
+        run_sft(load_config(None, tiny_overrides(tmp_path, **{"scaling.num_workers": 3})))
+    from zerolab.models import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="there is no folder"):
+        run_sft(load_config(None, tiny_overrides(tmp_path, **{"model.name_or_path": "./models/missing"})))
+    with pytest.raises(ModelLoadError, match="no network"):
+        run_sft(load_config(None, tiny_overrides(tmp_path, **{"model.name_or_path": "acme/never-published-7b"})))
+
+
+def test_unreachable_ray_address_is_one_paragraph(tmp_path):
+    env = {**os.environ, "RAY_ADDRESS": "127.0.0.1:1"}
+    proc = subprocess.run(sft_command(tmp_path), capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "could not reach the Ray cluster at RAY_ADDRESS='127.0.0.1:1'" in proc.stderr
+    assert "Traceback" not in proc.stderr
