@@ -171,6 +171,15 @@ class TrackingSpec:
     """MLflow tracking URI; empty: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory."""
     experiment: str = "zerolab"
     """MLflow experiment name."""
+    registered_model: str | None = None
+    """Model Registry name the final adapter is registered under; empty: `run.name`."""
+    model_alias: str = "candidate"
+    """Alias set on the newly registered version (`models:/<name>@<alias>`); empty: none."""
+    register: bool = True
+    """Register the final adapter (or full model) in the MLflow Model Registry."""
+    system_metrics_interval_s: float = 10.0
+    """Seconds between MLflow system-metric samples (CPU, memory, GPU) on every node with workers; 0: off."""
+
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -337,6 +346,12 @@ def validate(cfg: SFTConfig) -> list[str]:
         p.append(f"run.name: {r.name!r} must be 1-128 letters, digits, '.', '_' or '-' (it names folders and the MLflow run)")
     if not cfg.tracking.experiment.strip():
         p.append("tracking.experiment: empty; give an experiment name")
+    if cfg.tracking.model_alias and not re.fullmatch(r"[A-Za-z0-9_-]{1,255}", cfg.tracking.model_alias):
+        p.append(f"tracking.model_alias: {cfg.tracking.model_alias!r} must be letters, digits, '_' or '-'")
+    if cfg.tracking.model_alias.lower() == "latest" or re.fullmatch(r"[vV]\d+", cfg.tracking.model_alias):
+        p.append(f"tracking.model_alias: {cfg.tracking.model_alias!r} is reserved by MLflow; choose another, e.g. candidate")
+    if cfg.tracking.system_metrics_interval_s < 0:
+        p.append("tracking.system_metrics_interval_s: must be >= 0 (0 turns system metrics off)")
     return p
 
 

@@ -65,14 +65,15 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
 
     uri = tracking.tracking_uri(cfg.tracking.uri)
     run_id, resumed = tracking.open_run(uri, cfg.tracking.experiment, cfg.run.name, tags=run_tags(cfg), new=restart)
-    logger.info("MLflow run %s (%s) in experiment '%s' at %s", run_id, "resumed" if resumed else "new", cfg.tracking.experiment, uri)
+    logger.info("MLflow run %s (%s) in experiment '%s' at %s", run_id, "resumed" if resumed else "new", cfg.tracking.experiment,
+                tracking.mask_text(uri))
     status = "FAILED"
     try:
-        tracking.log_params(uri, run_id, {**cfg.flat(), **derived_params(cfg, reports)})
+        tracking.log_params(uri, run_id, tracking.mask_params({**cfg.flat(), **derived_params(cfg, reports)}))
         _log_inputs(uri, run_id, cfg, resolved_ds, reports, config_file)
         stop = StopSignal()
         with stop.installed():
-            result = build_trainer(cfg, resolved_ds, splits, uri, run_id, stop.flag).fit()
+            result = stop.fit(build_trainer(cfg, resolved_ds, splits, uri, run_id, stop.flag))
         checkpoint = result.checkpoint
         assert checkpoint is not None, "the run finished without a final checkpoint"
         metrics = dict(result.metrics or {})
@@ -82,6 +83,12 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
                               "Relaunch the same command to resume.")
         with checkpoint.as_directory() as folder:
             tracking.log_artifact(uri, run_id, Path(folder) / "adapter", "adapter")
+        if cfg.tracking.register:
+            name = cfg.tracking.registered_model or cfg.run.name
+            version = tracking.register_model(uri, run_id, "adapter", name, cfg.tracking.model_alias or None,
+                                              tags={"run_name": cfg.run.name, **_final_metric_tags(metrics)})
+            alias = f"@{cfg.tracking.model_alias}" if cfg.tracking.model_alias else f"/{version}"
+            logger.info("registered as %s version %s (models:/%s%s)", name, version, name, alias)
         status = "FINISHED"
         adapter = f"{checkpoint.path.rstrip('/')}/adapter"
         return RunResult(run_id=run_id, run_name=cfg.run.name, tracking_uri=uri, checkpoint_path=checkpoint.path,
@@ -128,6 +135,29 @@ class StopSignal:
         self.flag.set.remote()
         logger.warning("%s received: the workers will save a checkpoint and stop after the current step "
                        "(send it again to abort without a checkpoint)", signal.Signals(signum).name)
+
+    @staticmethod
+    def fit(trainer: Any) -> Any:
+        """``trainer.fit()``, on a helper thread when called from the main thread: Ray Train replaces
+        the main thread's SIGINT handler with one that kills the workers at once, and signals reach
+        only the main thread, which here just waits."""
+        if threading.current_thread() is not threading.main_thread():
+            return trainer.fit()
+        outcome: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                outcome["result"] = trainer.fit()
+            except BaseException as exc:  # re-raised on the main thread
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=target, name="zerolab-fit", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(timeout=0.5)
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["result"]
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -258,8 +288,18 @@ def prepare_data(cfg: SFTConfig, model_path: str) -> tuple[dict[str, Any], dict[
 
 
 def run_tags(cfg: SFTConfig) -> dict[str, str]:
-    return {"task": cfg.data.task, "model": cfg.model.name_or_path, "method": cfg.adapter.method,
+    tags = {"task": cfg.data.task, "model": tracking.mask_text(cfg.model.name_or_path), "method": cfg.adapter.method,
             "stage": str(cfg.deepspeed.stage)}
+    commit = tracking.git_commit()
+    if commit:
+        tags["mlflow.source.git.commit"] = commit.removesuffix("-dirty")
+    return tags
+
+
+def _final_metric_tags(metrics: dict[str, Any]) -> dict[str, str]:
+    """The run's last reported loss and throughput, readable on the registered version itself."""
+    keys = ("train/loss", "eval/loss", "perf/tokens_per_s", "step")
+    return {k: f"{metrics[k]:.6g}" for k in keys if isinstance(metrics.get(k), (int, float))}
 
 
 def derived_params(cfg: SFTConfig, reports: dict[str, SplitReport]) -> dict[str, Any]:
@@ -269,6 +309,7 @@ def derived_params(cfg: SFTConfig, reports: dict[str, SplitReport]) -> dict[str,
         "derived.precision": cfg.precision(),
         "derived.deepspeed_config": str(ds_config.config_path(cfg)),
         "versions.python": _platform.python_version(),
+        "derived.git_commit": tracking.git_commit() or "unknown",
     }
     # Read from package metadata: importing DeepSpeed on the driver would probe accelerators.
     for package in ("zerolab", "torch", "ray", "deepspeed", "transformers", "peft", "mlflow"):
@@ -280,6 +321,7 @@ def derived_params(cfg: SFTConfig, reports: dict[str, SplitReport]) -> dict[str,
         params[f"data.{split}.fingerprint"] = report.fingerprint[:16]
         params[f"data.{split}.rows_used"] = report.rows_used
         params[f"data.{split}.rows_bad"] = report.rows_bad
+        params[f"data.{split}.bad_reasons"] = ", ".join(f"{k}: {v}" for k, v in sorted(report.bad_by_reason.items())) or "none"
         params[f"data.{split}.tokens"] = report.tokens
     return params
 
@@ -288,11 +330,12 @@ def _log_inputs(uri: str, run_id: str, cfg: SFTConfig, resolved_ds: dict[str, An
                 config_file: str | Path | None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        (folder / "resolved_config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False, allow_unicode=True))
+        resolved = {section: tracking.mask_params(values) for section, values in cfg.to_dict().items()}
+        (folder / "resolved_config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False, allow_unicode=True))
         (folder / "deepspeed.json").write_text(json.dumps(resolved_ds, indent=2))
         (folder / "data_report.json").write_text(json.dumps({k: r.to_dict() for k, r in reports.items()}, indent=2, ensure_ascii=False))
         if config_file is not None:
-            (folder / "job.yaml").write_text(Path(config_file).read_text(encoding="utf-8"), encoding="utf-8")
+            (folder / "job.yaml").write_text(tracking.mask_yaml(Path(config_file).read_text(encoding="utf-8")), encoding="utf-8")
         tracking.log_artifact(uri, run_id, folder, "config")
 
 

@@ -12,11 +12,13 @@ and DeepSpeed's average over ranks completes the mean.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import random
 import shutil
+import socket
 import tempfile
 import time
 import warnings
@@ -107,67 +109,81 @@ def train_loop_per_worker(config: dict) -> None:
     log_every, ckpt_every = cfg.train.log_every_n_steps, cfg.train.checkpoint_every_n_steps
     metrics: dict[str, float] = {}
 
-    engine.train()
-    for step in range(start_step, total_steps):
-        micro: list[Batch] = [next(stream) for _ in range(cfg.train.grad_accum_steps)]
-        n_targets = torch.tensor(float(sum(b.num_targets for b in micro)), device=device)
-        dist.all_reduce(n_targets)
-        grad_norm = None
-        for b in micro:
-            inputs = {k: v.to(device, non_blocking=True) for k, v in b.inputs.items()}
-            out = engine(**inputs, num_items_in_batch=n_targets / world)
-            engine.backward(out.loss, scale_wrt_gas=False)
-            if engine.is_gradient_accumulation_boundary() and cfg.deepspeed.stage == 0 and (step + 1) % log_every == 0:
-                grad_norm = _grad_norm(engine)
-            engine.step()
-            window[0] += out.loss.detach().double()
-            window[1] += b.num_tokens
-        window_steps += 1
+    with _system_metrics(config, ctx):
+        engine.train()
+        for step in range(start_step, total_steps):
+            micro: list[Batch] = [next(stream) for _ in range(cfg.train.grad_accum_steps)]
+            n_targets = torch.tensor(float(sum(b.num_targets for b in micro)), device=device)
+            dist.all_reduce(n_targets)
+            grad_norm = None
+            for b in micro:
+                inputs = {k: v.to(device, non_blocking=True) for k, v in b.inputs.items()}
+                out = engine(**inputs, num_items_in_batch=n_targets / world)
+                engine.backward(out.loss, scale_wrt_gas=False)
+                if engine.is_gradient_accumulation_boundary() and cfg.deepspeed.stage == 0 and (step + 1) % log_every == 0:
+                    grad_norm = _grad_norm(engine)
+                engine.step()
+                window[0] += out.loss.detach().double()
+                window[1] += b.num_tokens
+            window_steps += 1
 
-        done = step + 1
-        stop = False
-        if done % log_every == 0 or done == total_steps:
-            # The driver's stop request is read here, where the loop synchronises anyway.
-            if rank == 0 and stop_flag is not None:
-                window[2] = float(ray.get(stop_flag.get.remote()))
-            dist.all_reduce(window)
-            stop = window[2].item() > 0
-            elapsed = time.perf_counter() - window_start
-            metrics = {
-                "train/loss": window[0].item() / (world * window_steps),
-                "train/lr": engine.lr_scheduler.get_last_lr()[0],
-                "perf/tokens_per_s": window[1].item() / elapsed,
-                "perf/step_s": elapsed / window_steps,
-                **perf.memory_metrics(device, ctx),
-            }
-            norm = grad_norm if grad_norm is not None else engine.get_global_grad_norm()
-            if norm is not None:
-                metrics["train/grad_norm"] = float(norm)
-            if peak_flops:
-                metrics["perf/mfu"] = metrics["perf/tokens_per_s"] * flops_per_token / peak_flops
-            eta = (total_steps - done) * metrics["perf/step_s"]
-            log_rank0("step %d/%d | loss %.4f | lr %.2e | %.0f tok/s | %.2f s/step | eta %s",
-                      done, total_steps, metrics["train/loss"], metrics["train/lr"], metrics["perf/tokens_per_s"],
-                      metrics["perf/step_s"], _hms(eta))
-            if tracker is not None:
-                tracker.log(metrics, step=done)
-            window.zero_()
-            window_steps, window_start = 0, time.perf_counter()
-
-        if stop or done == total_steps or (ckpt_every and done % ckpt_every == 0):
-            final = done == total_steps
-            report = {"step": done, **metrics, **({"stopped": 1} if stop and not final else {})}
-            if final:
-                report["perf/wall_s"] = time.perf_counter() - run_start
-            if _has_eval():
-                report["eval/loss"] = evaluate_loss(engine, cfg, device)
-                log_rank0("step %d eval/loss %.4f", done, report["eval/loss"])
+            done = step + 1
+            stop = False
+            if done % log_every == 0 or done == total_steps:
+                # The driver's stop request is read here, where the loop synchronises anyway.
+                if rank == 0 and stop_flag is not None:
+                    window[2] = float(ray.get(stop_flag.get.remote()))
+                dist.all_reduce(window)
+                stop = window[2].item() > 0
+                elapsed = time.perf_counter() - window_start
+                metrics = {
+                    "train/loss": window[0].item() / (world * window_steps),
+                    "train/lr": engine.lr_scheduler.get_last_lr()[0],
+                    "perf/tokens_per_s": window[1].item() / elapsed,
+                    "perf/step_s": elapsed / window_steps,
+                    **perf.memory_metrics(device, ctx),
+                }
+                norm = grad_norm if grad_norm is not None else engine.get_global_grad_norm()
+                if norm is not None:
+                    metrics["train/grad_norm"] = float(norm)
+                if peak_flops:
+                    metrics["perf/mfu"] = metrics["perf/tokens_per_s"] * flops_per_token / peak_flops
+                eta = (total_steps - done) * metrics["perf/step_s"]
+                log_rank0("step %d/%d | loss %.4f | lr %.2e | %.0f tok/s | %.2f s/step | eta %s",
+                          done, total_steps, metrics["train/loss"], metrics["train/lr"], metrics["perf/tokens_per_s"],
+                          metrics["perf/step_s"], _hms(eta))
                 if tracker is not None:
-                    tracker.log({"eval/loss": report["eval/loss"]}, step=done)
-            _save_and_report(engine, cfg, tokenizer, done, report, final=final)
-            if stop:
-                log_rank0("stopped on request after step %d; relaunch to resume", done)
-                return
+                    tracker.log(metrics, step=done)
+                window.zero_()
+                window_steps, window_start = 0, time.perf_counter()
+
+            if stop or done == total_steps or (ckpt_every and done % ckpt_every == 0):
+                final = done == total_steps
+                report = {"step": done, **metrics, **({"stopped": 1} if stop and not final else {})}
+                if final:
+                    report["perf/wall_s"] = time.perf_counter() - run_start
+                if _has_eval():
+                    report["eval/loss"] = evaluate_loss(engine, cfg, device)
+                    log_rank0("step %d eval/loss %.4f", done, report["eval/loss"])
+                    if tracker is not None:
+                        tracker.log({"eval/loss": report["eval/loss"]}, step=done)
+                _save_and_report(engine, cfg, tokenizer, done, report, final=final)
+                if stop:
+                    log_rank0("stopped on request after step %d; relaunch to resume", done)
+                    return
+
+
+def _system_metrics(config: dict, ctx: Any) -> contextlib.AbstractContextManager:
+    """MLflow system metrics for this node, sampled by its local rank 0, labelled by host and Ray node."""
+    tracking_info, interval = config.get("tracking"), config["sft"]["tracking"]["system_metrics_interval_s"]
+    if not tracking_info or ctx.get_local_rank() != 0 or not interval:
+        return contextlib.nullcontext()
+    import ray
+
+    from zerolab.tracking import system_metrics
+
+    node = f"{socket.gethostname()}-{ray.get_runtime_context().get_node_id()[:8]}"
+    return system_metrics(tracking_info["uri"], tracking_info["run_id"], interval, node)
 
 
 def _total_steps(cfg: SFTConfig, batches_per_epoch: int, device: torch.device) -> int:

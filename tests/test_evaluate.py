@@ -1,0 +1,339 @@
+"""Evaluation: scorers on hand-written answers, deterministic batched greedy generation, adapters
+from a folder, an MLflow run and the Model Registry, merged vs unmerged, the evaluate/export jobs,
+bad input, Ray Data actors vs one process, and the eval section of a training job. Tiny model,
+real peft, real MLflow store in a temp dir, real Ray."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, tiny_overrides
+from zerolab.config import BUILTIN_TINY_MODEL, ConfigError, ModelSpec, load_config
+from zerolab.evaluate import (
+    EvalOptions,
+    EvaluationError,
+    Example,
+    Generator,
+    LoadSpec,
+    Target,
+    default_eval_path,
+    generate_answers,
+    load_examples,
+    plan_batches,
+    resolve_target,
+    run_evaluation,
+    score_answers,
+)
+from zerolab.tasks import generate_dataset, math_sum
+
+P = math_sum.PREFIX
+GEN = {"batch_size": 4, "max_new_tokens": 12}
+
+
+def math_example(x: int, index: int = 0) -> Example:
+    return Example(index=index, messages=[{"role": "user", "content": f"{x}="}], reference=f"{P}1 + {x - 1}")
+
+
+# --- scoring -------------------------------------------------------------------------------------
+
+
+def test_math_scores_prefix_and_sum_separately():
+    examples = [math_example(5, i) for i in range(5)]
+    answers = [f"{P}2 + 3", "2 + 3", f"{P}2 + 4", f"{P}1 + 4", "王大丫丫的回答是>2 + 3"]
+    per_example, summary = score_answers("math_sum", examples, answers)
+    # right; right sum without prefix; wrong sum; the reference itself; wrong prefix
+    assert [(s["format_ok"], s["correct"]) for s in per_example] == [(1, 1), (0, 0), (1, 0), (1, 1), (0, 0)]
+    assert [s["exact_match"] for s in per_example] == [0, 0, 0, 1, 0]  # generic exact match vs the reference
+    assert summary["accuracy"] == summary["correct"] == pytest.approx(2 / 5)
+    assert summary["format_ok"] == pytest.approx(3 / 5) and summary["exact_match"] == pytest.approx(1 / 5)
+
+
+def test_ner_scores_malformed_json_and_partial_matches():
+    gold = json.dumps({"name": ["张伟"], "address": ["北京"]}, ensure_ascii=False)
+    examples = [Example(index=i, messages=[{"role": "user", "content": "张伟在北京。"}], reference=gold) for i in range(3)]
+    answers = [gold, '{"name": ["张伟"', json.dumps({"name": ["张伟"], "company": ["华为"]}, ensure_ascii=False)]
+    per_example, summary = score_answers("ner_json", examples, answers)
+    assert [s["valid_json"] for s in per_example] == [1, 0, 1]
+    assert (per_example[2]["tp"], per_example[2]["fp"], per_example[2]["fn"]) == (1, 1, 1)
+    assert summary["precision"] == pytest.approx(3 / 4) and summary["recall"] == pytest.approx(3 / 6)
+    assert summary["accuracy"] == summary["exact_match"] == pytest.approx(1 / 3)
+
+
+def test_batches_are_longest_first_and_cover_every_example():
+    examples = [math_example(x, i) for i, x in enumerate([5, 12345, 77, 999, 3, 4242])]
+    batches = plan_batches(examples, 4)
+    assert sorted(i for b in batches for i in b) == list(range(6))
+    assert batches[0][:2] == [1, 5] and [len(b) for b in batches] == [4, 2]
+
+
+def test_eval_file_rows_become_prompts_and_references(tmp_path):
+    path = generate_dataset("math_sum", 5, 7, tmp_path / "eval.json")
+    examples = load_examples(str(path), "math_sum", limit=3)
+    rows = json.loads(path.read_text())
+    assert [e.prompt for e in examples] == [r["instruction"] for r in rows[:3]]
+    assert [e.reference for e in examples] == [r["output"] for r in rows[:3]]
+    assert examples[0].messages[0] == {"role": "system", "content": math_sum.SYSTEM_PROMPT}
+
+
+def test_eval_section_needs_an_eval_split():
+    assert load_config(None, ["eval.enabled=true"]).eval.enabled
+    with pytest.raises(ConfigError, match=r"eval.enabled: there is no eval split"):
+        load_config(None, ["eval.enabled=true", "data.num_eval_rows=0"])
+    with pytest.raises(ConfigError, match=r"eval.batch_size: 0 is not allowed"):
+        load_config(None, ["eval.batch_size=0"])
+
+
+# --- generation ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def examples(tmp_path_factory) -> list[Example]:
+    path = generate_dataset("math_sum", 7, 11, tmp_path_factory.mktemp("data") / "eval.json")
+    mixed = load_examples(str(path), "math_sum")
+    # One much longer prompt, so batches need real left padding.
+    long = Example(index=len(mixed), messages=[{"role": "user", "content": "张伟是华为的工程师。" * 3 + "1234="}], reference=f"{P}1 + 1233")
+    return [*mixed, long]
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory, tiny_model_path) -> Path:
+    """A LoRA adapter with random (non-zero) weights: it changes the answers without training."""
+    from peft import LoraConfig, get_peft_model
+
+    from zerolab.models import load_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(load_model(ModelSpec(), torch.float32),
+                           LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False))
+    folder = tmp_path_factory.mktemp("trained") / "adapter"
+    model.save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def base_answers(examples, tiny_model_path) -> list[str]:
+    return generate_answers(LoadSpec(BUILTIN_TINY_MODEL), examples, **GEN).texts
+
+
+@pytest.fixture(scope="module")
+def tuned_answers(examples, adapter_dir) -> list[str]:
+    return generate_answers(LoadSpec(BUILTIN_TINY_MODEL, adapter_path=str(adapter_dir)), examples, **GEN).texts
+
+
+def test_greedy_generation_is_deterministic_and_batching_does_not_change_answers(examples, base_answers):
+    generator = Generator({"name_or_path": BUILTIN_TINY_MODEL}, device="cpu", dtype="fp32", max_new_tokens=GEN["max_new_tokens"])
+    conversations = [e.messages for e in examples]
+    batched, counts = generator.generate(conversations)
+    assert batched == generator.generate(conversations)[0] == base_answers
+    assert [generator.generate([c])[0][0] for c in conversations] == batched  # left padding is invisible
+    assert len(set(batched)) > 1 and all(0 < n <= GEN["max_new_tokens"] for n in counts)
+
+    # The KV cache gives what a plain argmax loop over full forward passes gives.
+    tok, model = generator.tokenizer, generator.model
+    ids = tok(tok.apply_chat_template(examples[-1].messages, tokenize=False, add_generation_prompt=True),
+              return_tensors="pt", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        for _ in range(counts[-1]):
+            nxt = model(input_ids=ids, use_cache=False).logits[0, -1].argmax()
+            ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+            if nxt.item() in generator.eos_ids:
+                break
+    assert tok.decode(ids[0, -counts[-1]:], skip_special_tokens=True) == batched[-1]
+
+
+def test_figures_are_reported(examples, tiny_model_path):
+    answers = generate_answers(LoadSpec(BUILTIN_TINY_MODEL), examples[:3], batch_size=2, max_new_tokens=6)
+    f = answers.figures
+    assert f["generated_tokens"] == sum(answers.num_tokens) > 0
+    assert f["tokens_per_s"] == pytest.approx(f["generated_tokens"] / f["generate_s"])
+    assert f["wall_s"] >= f["generate_s"] > 0 and f["load_s"] > 0 and f["host_rss_peak_gib"] > 0.05
+    assert "gpu_peak_load_gib" not in f  # CPU run: no GPU figures
+
+
+def test_merged_adapter_and_exported_folder_give_the_same_answers(examples, adapter_dir, base_answers, tuned_answers, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from zerolab.evaluate import export_merged
+
+    assert tuned_answers != base_answers
+    merged = generate_answers(LoadSpec(BUILTIN_TINY_MODEL, adapter_path=str(adapter_dir), merge=True), examples, **GEN).texts
+    assert merged == tuned_answers
+
+    target = resolve_target(str(adapter_dir), BUILTIN_TINY_MODEL, f"sqlite:///{tmp_path / 'unused.db'}", tmp_path)
+    result = export_merged(target, tmp_path / "merged")
+    assert result["max_logit_diff"] < 1e-4 and "model.safetensors" in result["files"]
+    model = AutoModelForCausalLM.from_pretrained(result["output"])
+    assert not any("lora" in name for name, _ in model.named_parameters())
+    assert generate_answers(LoadSpec(result["output"]), examples, **GEN).texts == tuned_answers
+    with pytest.raises(EvaluationError, match="exists and is not empty"):
+        export_merged(target, tmp_path / "merged")
+
+
+# --- adapters from MLflow ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mlflow_store(tmp_path_factory, adapter_dir):
+    """A real MLflow store holding a training-like run with the adapter logged as `adapter` and
+    registered as version 1 (alias `candidate`); version 2's source is gone (falls back to the run)."""
+    from mlflow import MlflowClient
+
+    root = tmp_path_factory.mktemp("mlflow")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("tests", artifact_location=str(root / "artifacts"))
+    run = client.create_run(experiment, run_name="math-tiny-lora")
+    for key, value in {"model.name_or_path": BUILTIN_TINY_MODEL, "data.task": "math_sum", "data.eval_path": "",
+                       "data.num_eval_rows": "16", "data.seed": "0", "data.system_prompt": ""}.items():
+        client.log_param(run.info.run_id, key, value)
+    client.log_artifacts(run.info.run_id, str(adapter_dir), "adapter")
+    client.set_terminated(run.info.run_id)
+    client.create_registered_model("tiny-math")
+    v1 = client.create_model_version("tiny-math", f"{run.info.artifact_uri}/adapter", run_id=run.info.run_id)
+    client.set_registered_model_alias("tiny-math", "candidate", v1.version)
+    client.create_model_version("tiny-math", str(root / "deleted" / "adapter"), run_id=run.info.run_id)
+    return uri, run.info.run_id
+
+
+@pytest.mark.parametrize("ref", ["runs:/{run_id}", "runs:/{run_id}/adapter", "models:/tiny-math/1", "models:/tiny-math@candidate",
+                                 "models:/tiny-math/2"])
+def test_adapter_from_mlflow_gives_the_local_folders_answers(ref, mlflow_store, examples, tuned_answers, tmp_path):
+    uri, run_id = mlflow_store
+    target = resolve_target(ref.format(run_id=run_id), None, uri, tmp_path)
+    assert target.base == BUILTIN_TINY_MODEL and target.run_id == run_id and target.tuned_kind == "adapter"
+    assert target.param("data.task") == "math_sum" and target.param("data.eval_path") is None
+    assert generate_answers(target.tuned_spec(), examples, **GEN).texts == tuned_answers
+
+
+def test_evaluate_job_compares_base_and_tuned_and_logs_both(mlflow_store, tmp_path, capsys):
+    from mlflow import MlflowClient
+
+    sys.path.insert(0, str(REPO / "jobs"))
+    import evaluate as job
+
+    uri, run_id = mlflow_store
+    out = tmp_path / "out"
+    rc = job.main(["--adapter", f"runs:/{run_id}", "--compare-base", "--num-examples", "5", "--max-new-tokens", "8",
+                   "--tracking-uri", uri, "--output-dir", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    assert "base" in printed and "tuned" in printed and "delta" in printed and "format_ok" in printed
+
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("tests").experiment_id], "tags.`zerolab.kind` = 'eval'")
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.run_name == "eval-math-tiny-lora" and run.data.tags["zerolab.source_run_id"] == run_id
+    m = run.data.metrics
+    for side in ("base", "tuned"):
+        assert {f"eval/{side}/accuracy", f"eval/{side}/format_ok", f"eval/{side}/tokens_per_s", f"eval/{side}/wall_s"} <= set(m)
+    assert m["eval/delta/format_ok"] == pytest.approx(m["eval/tuned/format_ok"] - m["eval/base/format_ok"])
+    assert m["eval/accuracy"] == m["eval/tuned/accuracy"]
+    assert run.data.params["eval.task"] == "math_sum" and run.data.params["eval.num_prompts"] == "5"
+
+    table = json.loads(Path(client.download_artifacts(run.info.run_id, "eval/examples.json", str(tmp_path))).read_text())
+    assert {"prompt", "reference", "base_answer", "tuned_answer", "base_correct", "tuned_format_ok"} <= set(table["columns"])
+    assert len(table["data"]) == 5
+    rows = [json.loads(line) for line in (out / "examples.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert len(rows) == 5 and (out / "examples.csv").is_file()
+    assert rows[0]["reference"].startswith(P)  # the run's generated eval split was used
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["metrics"]["eval/tuned/generated_tokens"] == sum(r["tuned_num_tokens"] for r in rows)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--adapter", "/no/such/adapter"], "no such folder"),
+        (["--adapter", "runs:/0123456789abcdef0123456789abcdef"], "there is no MLflow run '0123456789abcdef0123456789abcdef'"),
+        (["--adapter", "models:/no-such-model/3"], "no such registered model version"),
+        (["--adapter", "runs:/{run_id}", "--task", "poetry"], "--task poetry: unknown task; choose one of math_sum, ner_json, custom"),
+        (["--adapter", "runs:/{run_id}", "--data", "/no/such/eval.json"], "--data /no/such/eval.json: no such file"),
+        (["--model", BUILTIN_TINY_MODEL, "--task", "math_sum", "--compare-base"], "--compare-base: needs both a tuned model"),
+        (["--adapter", "runs:/{run_id}", "--batch-size", "0"], "--batch-size: 0 is not allowed"),
+    ],
+    ids=["missing-folder", "bad-run-id", "bad-model-version", "unknown-task", "missing-data", "compare-without-adapter", "bad-batch"],
+)
+def test_bad_input_is_one_error_and_exit_2(args, message, mlflow_store, tmp_path, capsys):
+    sys.path.insert(0, str(REPO / "jobs"))
+    import evaluate as job
+
+    uri, run_id = mlflow_store
+    rc = job.main([a.format(run_id=run_id) for a in args] + ["--tracking-uri", uri, "--output-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert message in err and "Traceback" not in err
+
+
+def test_bad_run_id_from_the_command_line_prints_no_traceback(mlflow_store):
+    uri, _ = mlflow_store
+    proc = subprocess.run([sys.executable, str(REPO / "jobs" / "evaluate.py"), "--adapter", "runs:/feedface", "--tracking-uri", uri],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "error: --adapter runs:/feedface: there is no MLflow run 'feedface'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_export_job_writes_a_loadable_merged_model(mlflow_store, tmp_path, capsys):
+    sys.path.insert(0, str(REPO / "jobs"))
+    import export as job
+
+    uri, _ = mlflow_store
+    assert job.main(["--adapter", "models:/tiny-math@candidate", "--output", str(tmp_path / "m"), "--tracking-uri", uri]) == 0
+    assert "next-token agreement 100.0%" in capsys.readouterr().out
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in (tmp_path / "m").iterdir()}
+    assert job.main(["--adapter", str(tmp_path / "m"), "--output", str(tmp_path / "again"), "--tracking-uri", uri]) == 2
+    assert "export merges an adapter" in capsys.readouterr().err
+
+
+def test_compare_base_needs_a_base_for_a_full_model(tmp_path, tiny_model_path):
+    target = Target(base=None, tuned_path=tiny_model_path, tuned_kind="full", source=tiny_model_path)
+    options = EvalOptions(task="math_sum", data_path=default_eval_path("math_sum", 16, 1), num_examples=2, compare_base=True)
+    with pytest.raises(EvaluationError, match="--compare-base: needs both"):
+        run_evaluation(target, options)
+    with pytest.raises(EvaluationError, match="nothing to merge"):
+        target.tuned_spec(merge=True)
+
+
+# --- Ray -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.ray
+def test_ray_data_actors_give_the_answers_of_one_process(ray_cluster, examples, adapter_dir, tuned_answers):
+    spec = LoadSpec(BUILTIN_TINY_MODEL, adapter_path=str(adapter_dir))
+    on_actors = generate_answers(spec, examples, workers=2, **GEN)
+    assert on_actors.texts == tuned_answers
+    assert on_actors.figures["generated_tokens"] == sum(on_actors.num_tokens) > 0
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_training_job_with_an_eval_section_evaluates_into_its_run(ray_cluster, tmp_path, tiny_model_path):
+    from mlflow import MlflowClient
+
+    from zerolab.run import run_sft
+
+    cfg = load_config(None, tiny_overrides(tmp_path, **{"eval.enabled": "true", "eval.num_examples": 6, "eval.max_new_tokens": 8,
+                                                        "train.lr": 1e-2}))
+    result = run_sft(cfg)
+    client = MlflowClient(result.tracking_uri)
+    run = client.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    m = run.data.metrics
+    assert {"eval/base/accuracy", "eval/tuned/accuracy", "eval/delta/format_ok", "eval/tuned/tokens_per_s", "eval/loss"} <= set(m)
+    assert [h.step for h in client.get_metric_history(result.run_id, "eval/tuned/format_ok")] == [cfg.train.max_steps]
+    assert {a.path for a in client.list_artifacts(result.run_id, "eval")} >= {"eval/examples.json", "eval/examples.jsonl", "eval/summary.json"}
+
+    # The adapter the run logged, evaluated from MLflow, answers as it did inside the training job.
+    target = resolve_target(f"runs:/{result.run_id}", None, result.tracking_uri, tmp_path / "dl")
+    table = json.loads(Path(client.download_artifacts(result.run_id, "eval/examples.json", str(tmp_path))).read_text())
+    column = table["columns"].index("tuned_answer")
+    report = run_evaluation(target, EvalOptions(task="math_sum", data_path=default_eval_path("math_sum", 32, 1), num_examples=6,
+                                                max_new_tokens=8, batch_size=32))
+    assert report.results["tuned"].answers.texts == [row[column] for row in table["data"]]
