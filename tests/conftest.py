@@ -27,6 +27,7 @@ def tiny_overrides(tmp_path: Path, **extra: object) -> list[str]:
         "run.storage_path": str(tmp_path / "runs"),
         "tracking.uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
         "tracking.experiment": "tests",
+        "tracking.system_metrics_interval_s": 0,
     }
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]
@@ -50,3 +51,44 @@ def tiny_model_path() -> str:
     from zerolab.models import build_tiny_model
 
     return str(build_tiny_model())
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` on a free loopback port with its own SQLite store and proxied
+    artifacts (as a team server runs); yields its http:// URI."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    root = tmp_path_factory.mktemp("mlflow-server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = (root / "server.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "artifacts")],
+        stdout=log, stderr=subprocess.STDOUT, cwd=root,
+    )
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"{uri}/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise RuntimeError(f"mlflow server did not start: {(root / 'server.log').read_text()[-2000:]}")
+        time.sleep(0.5)
+    yield uri
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()

@@ -181,6 +181,21 @@ class TrackingSpec:
     """Seconds between MLflow system-metric samples (CPU, memory, GPU) on every node with workers; 0: off."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class EvalSpec:
+    enabled: bool = False
+    """After training, answer the eval split's prompts (greedy) and score them with the task's scorer, logged into the training run."""
+    num_examples: int = 200
+    """Eval-split prompts answered and scored (the first N); 0: all of them."""
+    max_new_tokens: int = 64
+    """Longest answer generated per prompt (generation also stops at end-of-turn)."""
+    batch_size: int = 32
+    """Prompts generated together (left-padded, KV cache)."""
+    compare_base: bool = True
+    """Also evaluate the base model on the same prompts: `eval/base/*`, `eval/tuned/*` and `eval/delta/*`."""
+    num_workers: int = 1
+    """Ray Data actors that generate (one GPU each with `scaling.use_gpu`); 1 on CPU: in the driver."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class SFTConfig:
@@ -192,6 +207,7 @@ class SFTConfig:
     scaling: ScalingSpec = field(default_factory=ScalingSpec)
     run: RunSpec = field(default_factory=RunSpec)
     tracking: TrackingSpec = field(default_factory=TrackingSpec)
+    eval: EvalSpec = field(default_factory=EvalSpec)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SFTConfig:
@@ -346,6 +362,13 @@ def validate(cfg: SFTConfig) -> list[str]:
         p.append(f"run.name: {r.name!r} must be 1-128 letters, digits, '.', '_' or '-' (it names folders and the MLflow run)")
     if not cfg.tracking.experiment.strip():
         p.append("tracking.experiment: empty; give an experiment name")
+    e = cfg.eval
+    positive("eval.num_examples", e.num_examples, zero_ok=True)
+    positive("eval.max_new_tokens", e.max_new_tokens)
+    positive("eval.batch_size", e.batch_size)
+    positive("eval.num_workers", e.num_workers)
+    if e.enabled and not d.eval_path and (d.train_path or not d.num_eval_rows):
+        p.append("eval.enabled: there is no eval split to evaluate on; set data.eval_path (or data.num_eval_rows > 0 with generated data), or eval.enabled=false")
     if cfg.tracking.model_alias and not re.fullmatch(r"[A-Za-z0-9_-]{1,255}", cfg.tracking.model_alias):
         p.append(f"tracking.model_alias: {cfg.tracking.model_alias!r} must be letters, digits, '_' or '-'")
     if cfg.tracking.model_alias.lower() == "latest" or re.fullmatch(r"[vV]\d+", cfg.tracking.model_alias):

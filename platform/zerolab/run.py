@@ -64,6 +64,7 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
         logger.info("resuming %s from %s", cfg.run.name, resume_from)
 
     uri = tracking.tracking_uri(cfg.tracking.uri)
+    warn_if_node_local(uri)
     run_id, resumed = tracking.open_run(uri, cfg.tracking.experiment, cfg.run.name, tags=run_tags(cfg), new=restart)
     logger.info("MLflow run %s (%s) in experiment '%s' at %s", run_id, "resumed" if resumed else "new", cfg.tracking.experiment,
                 tracking.mask_text(uri))
@@ -89,6 +90,11 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
                                               tags={"run_name": cfg.run.name, **_final_metric_tags(metrics)})
             alias = f"@{cfg.tracking.model_alias}" if cfg.tracking.model_alias else f"/{version}"
             logger.info("registered as %s version %s (models:/%s%s)", name, version, name, alias)
+        if cfg.eval.enabled:
+            from zerolab.evaluate import evaluate_after_training
+
+            with checkpoint.as_directory() as folder:
+                evaluate_after_training(cfg, uri, run_id, Path(folder) / "adapter", step=int(metrics.get("step", 0)))
         status = "FINISHED"
         adapter = f"{checkpoint.path.rstrip('/')}/adapter"
         return RunResult(run_id=run_id, run_name=cfg.run.name, tracking_uri=uri, checkpoint_path=checkpoint.path,
@@ -125,7 +131,9 @@ class StopSignal:
             def get(self) -> bool:
                 return self.value
 
-        self.flag = _Flag.remote()
+        # On the driver's node, like Ray Train's controller: on a worker node it would die with that
+        # node, and the retry from the last checkpoint would fail on the lost flag.
+        self.flag = _Flag.options(label_selector={"ray.io/node-id": ray.get_runtime_context().get_node_id()}).remote()
         self._requested = False
 
     def _handle(self, signum: int, frame: Any) -> None:
@@ -224,6 +232,20 @@ def check_resources(cfg: SFTConfig) -> None:
             f"scaling.num_workers × scaling.cpus_per_worker = {s.num_workers} × {s.cpus_per_worker:g} CPUs, but the "
             f"cluster has {cpus:g}; lower either, or add nodes."
         )
+
+
+def warn_if_node_local(tracking_uri: str) -> None:
+    """Warn when the MLflow store is a file on this machine and the cluster has other nodes: rank 0
+    logs metrics from its own node, where that file exists only on a filesystem all nodes mount."""
+    import ray
+
+    if not tracking_uri.startswith(("sqlite:", "file:", "/", ".", "~")):
+        return
+    nodes = sum(1 for node in ray.nodes() if node["Alive"])
+    if nodes > 1:
+        logger.warning("MLflow store %s is a file, and the Ray cluster has %d nodes: workers on other nodes can log to it "
+                       "only if every node mounts it at the same path. Otherwise set MLFLOW_TRACKING_URI (or tracking.uri) "
+                       "to a tracking server that the nodes reach; infra/ starts one.", tracking_uri, nodes)
 
 
 def check_against_model(cfg: SFTConfig) -> dict[str, Any]:

@@ -6,9 +6,13 @@ retry) continues the same run; a step that was already logged is never logged tw
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,50 @@ def tracking_uri(configured: str | None) -> str:
     return "sqlite:///" + str(Path.cwd() / "mlflow.db")
 
 
+# --- secrets ----------------------------------------------------------------------------------
+
+_SECRET_NAME = r"(?:token|password|passwd|secret|api_?key|access_?key|secret_?key|credentials?|private_?key)"
+_SECRET_KEY = re.compile(rf"(?:^|[._-]){_SECRET_NAME}$", re.IGNORECASE)
+_URL_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^/@\s:]+)(?::[^/@\s]*)?@")
+_QUERY_SECRET = re.compile(rf"(?P<key>[?&][^=&\s]*{_SECRET_NAME}[^=&\s]*=|[?&](?:sig|signature|x-amz-signature|x-amz-credential)=)[^&\s]+",
+                           re.IGNORECASE)
+_YAML_SECRET = re.compile(rf"^(?P<key>\s*-?\s*[\w.-]*{_SECRET_NAME}\s*:\s*)(?P<value>\S.*)$", re.IGNORECASE | re.MULTILINE)
+MASK = "***"
+
+
+def mask_text(text: str) -> str:
+    """Hide credentials in free text: URL user info (``https://user:pass@host`` -> ``https://***@host``)
+    and secret-looking query parameters (``?token=...``, signed-URL signatures)."""
+    text = _URL_USERINFO.sub(lambda m: f"{m['scheme']}{MASK}@", text)
+    return _QUERY_SECRET.sub(lambda m: f"{m['key']}{MASK}", text)
+
+
+def mask_params(params: dict[str, Any]) -> dict[str, Any]:
+    """Params safe to log: values of secret-named keys (``*token``, ``*password``, ``*api_key``, ...)
+    replaced, credentials in other values hidden."""
+    return {k: (MASK if v not in (None, "") and _SECRET_KEY.search(k) else mask_text(v) if isinstance(v, str) else v)
+            for k, v in params.items()}
+
+
+def mask_yaml(text: str) -> str:
+    """A job YAML as given, with the values of secret-named keys and credentials in URLs hidden."""
+    return mask_text(_YAML_SECRET.sub(lambda m: f"{m['key']}'{MASK}'", text))
+
+
+def git_commit(folder: str | Path | None = None) -> str | None:
+    """The commit checked out in ``folder`` (default: the working directory), with ``-dirty`` when
+    tracked files have changed; None outside a git work tree or without git."""
+    try:
+        def git(*args: str) -> str:
+            return subprocess.run(["git", *args], cwd=folder or os.getcwd(), capture_output=True, text=True, check=True,
+                                  timeout=10).stdout.strip()
+
+        commit = git("rev-parse", "HEAD")
+        return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def _client(uri: str) -> Any:
     from mlflow import MlflowClient
 
@@ -40,7 +88,9 @@ def open_run(uri: str, experiment: str, run_name: str, tags: dict[str, str] | No
     returns (run_id, resumed)."""
     client = _client(uri)
     exp = client.get_experiment_by_name(experiment)
-    experiment_id = exp.experiment_id if exp is not None else client.create_experiment(experiment)
+    # The kind makes MLflow's UI open the experiment in its model-training view (runs, charts).
+    experiment_id = exp.experiment_id if exp is not None else client.create_experiment(
+        experiment, tags={"mlflow.experimentKind": "custom_model_development"})
     found = [] if new else client.search_runs(
         [experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'", max_results=1, order_by=["attributes.start_time DESC"]
     )
@@ -107,3 +157,56 @@ class MetricsLogger:
             self._client.log_batch(self._run_id, metrics=fresh)
             for m in fresh:
                 self._last_step[m.key] = step
+
+
+def register_model(uri: str, run_id: str, artifact_path: str, name: str, alias: str | None,
+                   tags: dict[str, str] | None = None) -> str:
+    """Register the run's ``artifact_path`` (a PEFT adapter or HF model folder) as a new version of
+    ``name`` in the Model Registry, point ``alias`` at it, and return the version.
+
+    The version records the run id, so the run's params and metrics are one click away in the UI
+    (and ``client.get_run(version.run_id)`` in code). Idempotent per run: a relaunch of a finished
+    job returns the version it registered before.
+    """
+    from mlflow.exceptions import MlflowException
+
+    client = _client(uri)
+    try:
+        client.create_registered_model(name, description="Adapters and models trained by zerolab jobs.")
+    except MlflowException as exc:
+        if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    existing = client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
+    if existing:
+        version = existing[0]
+    else:
+        source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{artifact_path}"
+        version = client.create_model_version(name, source, run_id=run_id, tags=tags)
+    if alias:
+        client.set_registered_model_alias(name, alias, version.version)
+    return str(version.version)
+
+
+@contextlib.contextmanager
+def system_metrics(uri: str, run_id: str, interval_s: float, node: str) -> Iterator[None]:
+    """Sample this node's CPU, memory, disk, network and (through NVML) GPU use into the run as
+    ``system/<node>/...`` every ``interval_s`` seconds, continuing the run's earlier samples after a
+    relaunch. Started by one worker per node, so the nodes that train are the ones measured (the
+    driver often sits on a machine without GPUs). A failure to sample never stops training."""
+    if interval_s <= 0:
+        yield
+        return
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    try:
+        monitor = SystemMetricsMonitor(run_id, sampling_interval=interval_s, resume_logging=True, node_id=node,
+                                       tracking_uri=uri)
+        monitor.start()
+    except Exception as exc:  # psutil/NVML quirks must not cost a training run
+        logger.warning("system metrics are off on %s: %s", node, exc)
+        yield
+        return
+    try:
+        yield
+    finally:
+        monitor.finish()
