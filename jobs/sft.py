@@ -4,8 +4,9 @@
     python jobs/sft.py        # embedded default: tiny Qwen2 on math_sum, 2 CPU workers, ZeRO-2, ~2 minutes
 
 A run whose name exists resumes from its last checkpoint; Ctrl-C checkpoints and stops (relaunch resumes).
-Exit codes: 0 done, 1 training failed, 2 bad configuration, data, checkpoint or environment (nothing ran),
-130 stopped by Ctrl-C/SIGTERM.
+Before launching, the memory estimator checks the job fits the nodes' GPUs and RAM (--force skips the refusal).
+Exit codes: 0 done, 1 training failed, 2 bad configuration, data, checkpoint, environment or memory (nothing
+ran), 130 stopped by Ctrl-C/SIGTERM.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="job YAML (default: the embedded default job)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. --set adapter.r=16")
     parser.add_argument("--restart", action="store_true", help="discard an existing run of this name (and its checkpoints) and start over")
+    parser.add_argument("--force", action="store_true", help="launch even when the memory preflight says the job cannot fit")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
 
@@ -31,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     from zerolab.config import load_config
     from zerolab.run import run_sft
 
-    return run_and_report(lambda: run_sft(load_config(args.config, args.set), config_file=args.config, restart=args.restart))
+    return run_and_report(lambda: run_sft(load_config(args.config, args.set), config_file=args.config, restart=args.restart,
+                                          force=args.force))
 
 
 if __name__ == "__main__":

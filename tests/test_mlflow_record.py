@@ -59,6 +59,9 @@ def test_params_tags_metrics_and_masked_secrets(recorded):
     assert {tags["task"], tags["method"], tags["stage"]} == {"math_sum", "lora", "2"}
     for key in ("train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/step_s", "mem/host_rss_peak_gib", "eval/loss"):
         assert key in metrics, key
+    # The memory estimate next to the measured peak, and how far off it was.
+    assert metrics["mem/pred_host_rss_peak_gib"] > 0 and "mem/pred_error_host_rss_peak_gib_pct" in metrics
+    assert params["memory.estimate"].startswith("ZeRO-2")
     steps = sorted(m.step for m in client.get_metric_history(result.run_id, "train/loss"))
     assert steps == [2, 4, 6, 8, 10]
 

@@ -17,10 +17,11 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from zerolab.checkpoints import CheckpointError
     from zerolab.config import ConfigError
     from zerolab.data import DataError
+    from zerolab.memory import MemoryPreflightError
     from zerolab.models import ModelLoadError
     from zerolab.run import EnvironmentProblem
 
-    return ConfigError, DataError, ModelLoadError, EnvironmentProblem, CheckpointError
+    return ConfigError, DataError, ModelLoadError, EnvironmentProblem, CheckpointError, MemoryPreflightError
 
 
 def run_and_report(job: Callable[[], Any]) -> int:

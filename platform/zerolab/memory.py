@@ -325,6 +325,24 @@ class Limits:
             pass
         return cls(gpu_mem_bytes=gpu_mem, gpus_per_node=gpus, host_mem_bytes=_host_memory_bytes(), source="detected on this machine")
 
+    @classmethod
+    def detect_with_nvml(cls) -> Limits:
+        """This node, seen by NVML: every GPU whatever CUDA_VISIBLE_DEVICES says (Ray hides GPUs from
+        tasks that reserve none); :meth:`detect` where NVML is missing."""
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            try:
+                gpus = pynvml.nvmlDeviceGetCount()
+                mem = [pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total for i in range(gpus)]
+            finally:
+                pynvml.nvmlShutdown()
+        except Exception:  # no NVML library or no driver: a machine without NVIDIA GPUs
+            return cls.detect()
+        return cls(gpu_mem_bytes=min(mem) if mem else None, gpus_per_node=gpus or None, host_mem_bytes=_host_memory_bytes(),
+                   source="detected on this node")
+
     def describe(self) -> str:
         gpu = f"{self.gpus_per_node} × {_gib(self.gpu_mem_bytes)} GPU" if self.gpu_mem_bytes and self.gpus_per_node else (
             f"GPUs of {_gib(self.gpu_mem_bytes)}" if self.gpu_mem_bytes else "no GPU known")

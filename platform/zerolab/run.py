@@ -45,12 +45,13 @@ class RunResult:
     data: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
-def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: bool = False) -> RunResult:
+def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: bool = False, force: bool = False) -> RunResult:
     """Run one SFT job end to end and return where its results are.
 
     A job whose run folder exists resumes from its latest checkpoint; ``restart`` discards the
     folder first. Raises ConfigError, DataError, ModelLoadError, CheckpointError or
-    EnvironmentProblem for user-fixable problems, before any worker starts. The first SIGINT or
+    EnvironmentProblem for user-fixable problems, and MemoryPreflightError for a job the memory
+    estimator says cannot fit the cluster's GPUs or RAM (unless ``force``), before any worker starts. The first SIGINT or
     SIGTERM asks the workers to checkpoint and stop at the next step (the run ends KILLED and a
     relaunch resumes it); a second one aborts at once.
     """
@@ -58,6 +59,7 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
     check_resources(cfg)
     model_path = resolve_model_path(cfg.model.name_or_path)
     resolved_ds = check_against_model(cfg)
+    memory = check_memory(cfg, force=force)
     splits, reports = prepare_data(cfg, model_path)
     resume_from = prepare_run_folder(cfg, storage_path(cfg), restart=restart)
     if resume_from:
@@ -70,7 +72,8 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
                 tracking.mask_text(uri))
     status = "FAILED"
     try:
-        tracking.log_params(uri, run_id, tracking.mask_params({**cfg.flat(), **derived_params(cfg, reports)}))
+        tracking.log_params(uri, run_id, tracking.mask_params({**cfg.flat(), **derived_params(cfg, reports), **memory.params()}))
+        tracking.MetricsLogger(uri, run_id).log(memory.predicted(), step=0)
         _log_inputs(uri, run_id, cfg, resolved_ds, reports, config_file)
         stop = StopSignal()
         with stop.installed():
@@ -78,6 +81,7 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
         checkpoint = result.checkpoint
         assert checkpoint is not None, "the run finished without a final checkpoint"
         metrics = dict(result.metrics or {})
+        tracking.MetricsLogger(uri, run_id).log(memory.errors(metrics), step=int(metrics.get("step", 0)))
         if metrics.get("stopped"):
             status = "KILLED"
             raise Interrupted(f"stopped at step {metrics['step']}; checkpoint saved at {checkpoint.path}. "
@@ -246,6 +250,96 @@ def warn_if_node_local(tracking_uri: str) -> None:
         logger.warning("MLflow store %s is a file, and the Ray cluster has %d nodes: workers on other nodes can log to it "
                        "only if every node mounts it at the same path. Otherwise set MLFLOW_TRACKING_URI (or tracking.uri) "
                        "to a tracking server that the nodes reach; infra/ starts one.", tracking_uri, nodes)
+
+
+@dataclass
+class MemoryCheck:
+    """The memory estimator's prediction for a job (None where it could not estimate), logged next
+    to the measured ``mem/*`` peaks so every run records its prediction error."""
+
+    estimate: Any = None
+    limits: Any = None
+    note: str = ""
+
+    PAIRS = (("gpu_peak_allocated_gib", "device_peak"), ("gpu_peak_reserved_gib", "device_reserved"),
+             ("host_rss_peak_gib", "host_workers"))
+    """Measured metric (``mem/<name>``) -> Estimate figure it is compared with."""
+
+    def _predicted_bytes(self) -> dict[str, float]:
+        est = self.estimate
+        if est is None:
+            return {}
+        figures = {"device_peak": est.device_peak, "device_reserved": est.device_reserved,
+                   "host_workers": est.host_workers(est.workers_per_node(self.limits))}
+        keys = self.PAIRS if est.use_gpu else self.PAIRS[2:]
+        return {name: figures[attr] for name, attr in keys}
+
+    def params(self) -> dict[str, Any]:
+        if self.estimate is None:
+            return {"memory.estimate": self.note or "unavailable"}
+        return {"memory.estimate": self.estimate.summary(self.limits), "memory.limits": self.limits.describe()}
+
+    def predicted(self) -> dict[str, float]:
+        return {f"mem/pred_{name}": value / 2**30 for name, value in self._predicted_bytes().items()}
+
+    def errors(self, measured: dict[str, Any]) -> dict[str, float]:
+        """(measured - predicted) / measured in percent, for each peak the run reported."""
+        out = {}
+        for name, predicted in self._predicted_bytes().items():
+            value = measured.get(f"mem/{name}")
+            if isinstance(value, (int, float)) and value > 0:
+                out[f"mem/pred_error_{name}_pct"] = 100 * (predicted / 2**30 - value) / value
+        return out
+
+
+def check_memory(cfg: SFTConfig, *, force: bool = False) -> MemoryCheck:
+    """Estimate the job's memory per GPU and per node and refuse it when it cannot fit the nodes it
+    would run on (raises MemoryPreflightError, which names the options that would fit). ``force``
+    launches anyway, with a warning. Models the estimator does not know are let through."""
+    from zerolab import memory
+
+    try:
+        model_config = memory.load_model_config(cfg)
+        limits = cluster_limits(cfg)
+        try:
+            est = memory.preflight(cfg, model_config, limits)
+        except memory.MemoryPreflightError as exc:
+            if not force:
+                raise
+            logger.warning("launching anyway (--force): %s", exc)
+            est = exc.estimate
+    except memory.MemoryPreflightError:
+        raise
+    except memory.MemoryEstimateError as exc:
+        logger.warning("no memory estimate for this job, so no preflight check: %s", exc)
+        return MemoryCheck(note=str(exc))
+    logger.info("memory estimate: %s on %s", est.summary(limits), limits.describe())
+    return MemoryCheck(est, limits)
+
+
+def cluster_limits(cfg: SFTConfig) -> Any:
+    """GPU memory and host RAM of the Ray nodes that can run this job's workers, measured on each
+    node by a zero-resource task (the driver may sit on a machine without GPUs): the smallest GPU
+    and the smallest RAM among them, so the check holds wherever Ray places the workers."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from zerolab.memory import Limits
+
+    @ray.remote(num_cpus=0)
+    def detect() -> Limits:
+        return Limits.detect_with_nvml()
+
+    nodes = [n for n in ray.nodes() if n["Alive"] and (not cfg.scaling.use_gpu or n["Resources"].get("GPU", 0) > 0)
+             and n["Resources"].get("CPU", 0) >= cfg.scaling.cpus_per_worker]
+    found = ray.get([detect.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
+                     for n in nodes])
+    gpu = [f.gpu_mem_bytes for f in found if f.gpu_mem_bytes] if cfg.scaling.use_gpu else []
+    host = [f.host_mem_bytes for f in found if f.host_mem_bytes]
+    per_node = max((f.gpus_per_node or 0) for f in found) if cfg.scaling.use_gpu and found else None
+    return Limits(gpu_mem_bytes=min(gpu) if gpu else None, gpus_per_node=per_node or None,
+                  host_mem_bytes=min(host) if host else None, num_nodes=max(1, len(found)),
+                  source=f"detected on {len(found)} Ray node(s)")
 
 
 def check_against_model(cfg: SFTConfig) -> dict[str, Any]:
