@@ -201,14 +201,18 @@ def mlflow_store(tmp_path_factory, adapter_dir):
     return uri, run.info.run_id
 
 
-@pytest.mark.parametrize("ref", ["runs:/{run_id}", "runs:/{run_id}/adapter", "models:/tiny-math/1", "models:/tiny-math@candidate",
-                                 "models:/tiny-math/2"])
-def test_adapter_from_mlflow_gives_the_local_folders_answers(ref, mlflow_store, examples, tuned_answers, tmp_path):
+@pytest.mark.parametrize("ref, generate", [("runs:/{run_id}", True), ("runs:/{run_id}/adapter", False), ("models:/tiny-math/1", False),
+                                           ("models:/tiny-math@candidate", True), ("models:/tiny-math/2", False)])
+def test_adapter_from_mlflow_gives_the_local_folders_answers(ref, generate, mlflow_store, adapter_dir, examples, tuned_answers, tmp_path):
     uri, run_id = mlflow_store
     target = resolve_target(ref.format(run_id=run_id), None, uri, tmp_path)
     assert target.base == BUILTIN_TINY_MODEL and target.run_id == run_id and target.tuned_kind == "adapter"
     assert target.param("data.task") == "math_sum" and target.param("data.eval_path") is None
-    assert generate_answers(target.tuned_spec(), examples, **GEN).texts == tuned_answers
+    # Version 2's source is gone: the run's adapter is used instead. The same bytes give the same answers.
+    weights = "adapter_model.safetensors"
+    assert (Path(target.tuned_path) / weights).read_bytes() == (adapter_dir / weights).read_bytes()
+    if generate:
+        assert generate_answers(target.tuned_spec(), examples, **GEN).texts == tuned_answers
 
 
 def test_evaluate_job_compares_base_and_tuned_and_logs_both(mlflow_store, tmp_path, capsys):
@@ -301,6 +305,21 @@ def test_compare_base_needs_a_base_for_a_full_model(tmp_path, tiny_model_path):
         target.tuned_spec(merge=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_generation_reports_peak_memory_and_is_deterministic(examples, adapter_dir):
+    spec = LoadSpec(BUILTIN_TINY_MODEL, adapter_path=str(adapter_dir))
+    first = generate_answers(spec, examples, device="cuda", dtype="bf16", **GEN)
+    assert generate_answers(spec, examples, device="cuda", dtype="bf16", **GEN).texts == first.texts
+    f = first.figures
+    # The weights stay resident, so the generation peak is at least what loading left allocated.
+    assert f["gpu_peak_load_gib"] > 0 and f["gpu_peak_generate_gib"] >= 0.9 * f["gpu_peak_load_gib"]
+    assert f["tokens_per_s"] > 0
+    merged = generate_answers(LoadSpec(BUILTIN_TINY_MODEL, adapter_path=str(adapter_dir), merge=True), examples,
+                              device="cuda", dtype="fp32", **GEN)
+    assert merged.texts == generate_answers(spec, examples, device="cuda", dtype="fp32", **GEN).texts
+
+
 # --- Ray -----------------------------------------------------------------------------------------
 
 
@@ -310,6 +329,8 @@ def test_ray_data_actors_give_the_answers_of_one_process(ray_cluster, examples, 
     on_actors = generate_answers(spec, examples, workers=2, **GEN)
     assert on_actors.texts == tuned_answers
     assert on_actors.figures["generated_tokens"] == sum(on_actors.num_tokens) > 0
+    with pytest.raises(EvaluationError, match="--workers 64: each generation actor takes one CPU"):
+        generate_answers(spec, examples, workers=64, **GEN)
 
 
 @pytest.mark.ray
