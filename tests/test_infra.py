@@ -518,10 +518,13 @@ def test_documented_sft_commands_load():
         load_job_command(argv)
 
 
-def test_documented_sweeps_use_existing_job_configs():
+def test_documented_sweeps_use_existing_job_configs_and_sweep_files():
+    from zerolab.tune import load_sweep
+
     readme = (INFRA / "README.md").read_text(encoding="utf-8")
     commands = documented_commands(readme, "jobs/tune.py")
     assert len(commands) >= 4, "each target shows a sweep"
     for argv in commands:
-        assert "--space" in argv, argv
-        load_job_command(argv)  # jobs/tune.py itself is another issue's; its base config must load today
+        cfg = load_job_command(argv)
+        space = option(argv, "--space").replace("/home/ray/zerolab/", f"{REPO}/")
+        load_sweep(space if Path(space).is_absolute() else REPO / space, set(cfg.flat()))

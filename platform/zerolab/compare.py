@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +64,9 @@ METRICS = {
     "eval_loss": ("eval/loss", _last),
 }
 """Column -> (MLflow metric, how its history is summarised)."""
+UTILISATION = {"cpu_util_pct": re.compile(r"system/.+/cpu_utilization_percentage"),
+               "gpu_util_pct": re.compile(r"system/.+/gpu_\d+_utilization_percentage")}
+"""Column -> the system metrics (every node, every GPU) whose samples it averages."""
 
 
 def collect(uri: str, experiment: str, parent: str | None = None) -> list[RunRow]:
@@ -92,6 +96,10 @@ def collect(uri: str, experiment: str, parent: str | None = None) -> list[RunRow
         for key, value in sorted(run.data.metrics.items()):
             if key.startswith("eval/") and key != "eval/loss":
                 row.values[key] = value
+        for column, pattern in UTILISATION.items():
+            keys = [k for k in run.data.metrics if pattern.fullmatch(k)]
+            samples = [m.value for k in keys for m in client.get_metric_history(run.info.run_id, k)]
+            row.values[column] = statistics.fmean(samples) if samples else None
         wall = run.data.metrics.get("perf/wall_s")
         if wall is None and run.info.end_time:
             wall = (run.info.end_time - run.info.start_time) / 1000
@@ -123,7 +131,7 @@ def param_columns(rows: list[RunRow]) -> list[str]:
 
 def columns(rows: list[RunRow]) -> tuple[list[str], list[str]]:
     """The param columns and the metric columns that any of the runs has."""
-    metrics = [c for c in [*METRICS, "wall_s", *sorted({k for r in rows for k in r.values if k.startswith("eval/")})]
+    metrics = [c for c in [*METRICS, *UTILISATION, "wall_s", *sorted({k for r in rows for k in r.values if k.startswith("eval/")})]
                if any(r.values.get(c) is not None for r in rows)]
     return param_columns(rows), metrics
 

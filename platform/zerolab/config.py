@@ -37,6 +37,9 @@ class ConfigError(ValueError):
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"invalid configuration ({len(self.problems)} problem(s)):\n{lines}")
 
+    def __reduce__(self) -> tuple:  # raised in Ray workers and Tune trials: unpickle from the problems
+        return type(self), (self.problems,)
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:

@@ -10,13 +10,24 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from zerolab.config import ConfigError, SFTConfig
 
-DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
-"""The repository's ``ds_configs/`` folder (the package lives in ``platform/zerolab``)."""
+
+def _ds_config_dir() -> Path:
+    """The repository's ``ds_configs/`` folder (the package lives in ``platform/zerolab``); in a Ray
+    worker, where both arrive as ``py_modules`` of the job, the copy on ``sys.path``."""
+    beside = Path(__file__).resolve().parents[2] / "ds_configs"
+    if beside.is_dir():
+        return beside
+    shipped = (Path(entry) / "ds_configs" for entry in sys.path if entry)
+    return next((p for p in shipped if p.is_dir()), beside)
+
+
+DS_CONFIG_DIR = _ds_config_dir()
 
 
 def default_config_path(stage: int, offload: bool) -> Path:

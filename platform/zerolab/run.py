@@ -9,7 +9,9 @@ import json
 import logging
 import os
 import platform as _platform
+import re
 import signal
+import socket
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -45,7 +47,8 @@ class RunResult:
     data: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
-def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: bool = False, force: bool = False) -> RunResult:
+def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: bool = False, force: bool = False,
+            parent_run_id: str | None = None, in_tune: bool = False) -> RunResult:
     """Run one SFT job end to end and return where its results are.
 
     A job whose run folder exists resumes from its latest checkpoint; ``restart`` discards the
@@ -54,6 +57,9 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
     estimator says cannot fit the cluster's GPUs or RAM (unless ``force``), before any worker starts. The first SIGINT or
     SIGTERM asks the workers to checkpoint and stop at the next step (the run ends KILLED and a
     relaunch resumes it); a second one aborts at once.
+
+    Under Ray Tune (``in_tune``, from :mod:`zerolab.tune`) every logged window is reported to the
+    trial, and the MLflow run is a child of ``parent_run_id``.
     """
     connect_ray(cfg)
     check_resources(cfg)
@@ -67,7 +73,8 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
 
     uri = tracking.tracking_uri(cfg.tracking.uri)
     warn_if_node_local(uri)
-    run_id, resumed = tracking.open_run(uri, cfg.tracking.experiment, cfg.run.name, tags=run_tags(cfg), new=restart)
+    tags = {**run_tags(cfg), **({"mlflow.parentRunId": parent_run_id} if parent_run_id else {})}
+    run_id, resumed = tracking.open_run(uri, cfg.tracking.experiment, cfg.run.name, tags=tags, new=restart)
     logger.info("MLflow run %s (%s) in experiment '%s' at %s", run_id, "resumed" if resumed else "new", cfg.tracking.experiment,
                 tracking.mask_text(uri))
     status = "FAILED"
@@ -77,7 +84,7 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
         _log_inputs(uri, run_id, cfg, resolved_ds, reports, config_file)
         stop = StopSignal()
         with stop.installed():
-            result = stop.fit(build_trainer(cfg, resolved_ds, splits, uri, run_id, stop.flag))
+            result = stop.fit(build_trainer(cfg, resolved_ds, splits, uri, run_id, stop.flag, in_tune=in_tune))
         checkpoint = result.checkpoint
         assert checkpoint is not None, "the run finished without a final checkpoint"
         metrics = dict(result.metrics or {})
@@ -184,7 +191,7 @@ class StopSignal:
                 signal.signal(s, handler)
 
 
-def connect_ray(cfg: SFTConfig) -> None:
+def connect_ray(cfg: SFTConfig, *, log_to_driver: bool = True) -> None:
     """Join the cluster named by RAY_ADDRESS (set by ``ray job submit``; ``auto`` joins a local
     ``ray start`` cluster) or start a local one. zerolab itself is shipped to the workers with the
     job (``py_modules``), so they need not have it installed."""
@@ -197,18 +204,40 @@ def connect_ray(cfg: SFTConfig) -> None:
         env_vars["DS_ACCELERATOR"] = "cpu"
     if "ZEROLAB_CACHE" in os.environ:
         env_vars["ZEROLAB_CACHE"] = os.environ["ZEROLAB_CACHE"]
-    runtime_env = {"py_modules": [str(Path(zerolab.__file__).parent)], "env_vars": env_vars}
+    from zerolab.ds_config import DS_CONFIG_DIR
+
+    # ds_configs/ travels too: a Tune trial resolves its DeepSpeed JSON on whichever node it runs.
+    modules = [str(Path(zerolab.__file__).parent), *([str(DS_CONFIG_DIR)] if DS_CONFIG_DIR.is_dir() else [])]
+    runtime_env = {"py_modules": modules, "env_vars": env_vars}
     # Under `ray job submit` RAY_ADDRESS names the cluster; otherwise start a fresh local instance
     # rather than joining whatever `ray start` left registered on this machine.
     address = os.environ.get("RAY_ADDRESS") or "local"
+    _check_reachable(address)
     try:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True, logging_level=logging.WARNING)
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=log_to_driver, logging_level=logging.WARNING)
     except ConnectionError as exc:
         raise EnvironmentProblem(
             f"could not reach the Ray cluster at RAY_ADDRESS={address!r} ({exc}). Start one with "
             "`ray start --head`, fix RAY_ADDRESS, or unset it to run on a local Ray instance."
         ) from None
     quiet_ray_data_logging()
+
+
+def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """Fail fast on a ``host:port`` (or ``ray://host:port``) that does not accept connections:
+    ``ray.init`` would otherwise retry for minutes before giving up."""
+    match = re.fullmatch(r"(?:ray://)?\[?([^\]/]+?)\]?:(\d+)/?", address)
+    if not match:
+        return  # "local", "auto" and URLs of the job API are Ray's to resolve
+    host, port = match[1], int(match[2])
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise EnvironmentProblem(
+            f"could not reach the Ray cluster at RAY_ADDRESS={address!r} ({exc.strerror or exc}). Start one with "
+            "`ray start --head`, fix RAY_ADDRESS (the head's GCS address, host:6379 by default), or unset it to run "
+            "on a local Ray instance."
+        ) from None
 
 
 def check_resources(cfg: SFTConfig) -> None:
@@ -456,10 +485,11 @@ def _log_inputs(uri: str, run_id: str, cfg: SFTConfig, resolved_ds: dict[str, An
 
 
 def build_trainer(cfg: SFTConfig, resolved_ds: dict[str, Any], datasets: dict[str, Any], uri: str | None, run_id: str | None,
-                  stop_flag: Any = None) -> Any:
+                  stop_flag: Any = None, *, in_tune: bool = False) -> Any:
     """The TorchTrainer for this job (Ray Train V2): same name and storage path = same run, resumed."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.tune.integration.ray_train import TuneReportCallback
 
     from zerolab.data import sharded_data_config
     from zerolab.train import train_loop_per_worker
@@ -473,6 +503,7 @@ def build_trainer(cfg: SFTConfig, resolved_ds: dict[str, Any], datasets: dict[st
             "deepspeed": resolved_ds,
             "tracking": {"uri": uri, "run_id": run_id} if run_id else None,
             "stop_flag": stop_flag,
+            "report_every_log": in_tune,
         },
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=resources,
@@ -482,6 +513,7 @@ def build_trainer(cfg: SFTConfig, resolved_ds: dict[str, Any], datasets: dict[st
             storage_path=storage_path(cfg),
             failure_config=FailureConfig(max_failures=cfg.run.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
+            callbacks=[TuneReportCallback()] if in_tune else None,
         ),
         datasets=datasets,
         dataset_config=sharded_data_config(datasets, s.num_workers),

@@ -157,7 +157,11 @@ def train_loop_per_worker(config: dict) -> None:
                 window.zero_()
                 window_steps, window_start = 0, time.perf_counter()
 
-            if stop or done == total_steps or (ckpt_every and done % ckpt_every == 0):
+            checkpointing = stop or done == total_steps or (ckpt_every and done % ckpt_every == 0)
+            if config.get("report_every_log") and metrics and not checkpointing and done % log_every == 0:
+                # Under Tune: every logged window reaches the scheduler (ASHA), not only checkpoints.
+                ray.train.report({"step": done, **metrics})
+            if checkpointing:
                 final = done == total_steps
                 report = {"step": done, **metrics, **({"stopped": 1} if stop and not final else {})}
                 if final:

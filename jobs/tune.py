@@ -1,0 +1,64 @@
+"""A Ray Tune sweep of SFT jobs: each trial is one zerolab run (a child MLflow run under the sweep's
+parent run); a ranked results table, CSV/Markdown and a chart at the end.
+
+    python jobs/tune.py                                                  # default: ZeRO stage × adapter.r, 4 trials, tiny model
+    ray job submit --working-dir . -- python jobs/tune.py --config jobs/configs/math_tiny.yaml --space jobs/configs/stage_sweep.yaml
+    python jobs/tune.py --space jobs/configs/stage_sweep.yaml --set scaling.num_workers=1
+    python jobs/tune.py --resume stage-sweep                             # continue an interrupted sweep
+
+The sweep file's format is in zerolab/tune.py and the README. Exit codes: 0 the sweep ran (failed
+trials are reported in the table), 2 a bad sweep file or job config (nothing ran), 130 interrupted
+(resume with --resume NAME).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bootstrap  # noqa: E402,F401  (makes zerolab importable from a checkout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="base job YAML (default: the embedded default job)")
+    parser.add_argument("--space", help="sweep YAML (default: ZeRO stage × adapter.r on the base job)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override of the base job, e.g. --set scaling.num_workers=1")
+    parser.add_argument("--resume", metavar="NAME", help="resume the sweep NAME from its folder in run.storage_path")
+    parser.add_argument("--out", help="folder for results.csv/.md and runs.png (default: sweeps/<name>)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+
+    from zerolab import tune
+    from zerolab.cli import INTERRUPTED, USER_ERROR, user_errors
+    from zerolab.config import apply_overrides, load_config, load_yaml
+
+    try:
+        base = apply_overrides(load_yaml(args.config) if args.config else {}, args.set)
+        cfg = load_config(args.config, args.set)
+        if args.resume:
+            base, sweep = tune.load_definition(tune.sweep_path(cfg, args.resume))
+        elif args.space:
+            sweep = tune.load_sweep(args.space, set(cfg.flat()))
+        else:
+            sweep = tune.parse_sweep(tune.DEFAULT_SWEEP, set(cfg.flat()))
+        rows = tune.run_sweep(base, sweep, resume=bool(args.resume), out_dir=args.out)
+    except (tune.SweepError, *user_errors()) as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return USER_ERROR
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; resume with: python jobs/tune.py --resume {sweep.name}", file=sys.stderr)
+        return INTERRUPTED
+    failed = [r for r in rows if r.status == "ERROR"]
+    print(f"\n{len(rows)} trials: " + ", ".join(f"{n} {s.lower()}" for s in ("FINISHED", "STOPPED", "SKIPPED", "ERROR")
+                                              if (n := sum(r.status == s for r in rows))))
+    if failed:
+        print("failed trials: " + "; ".join(f"{r.trial_id}: {r.note}" for r in failed))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

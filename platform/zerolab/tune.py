@@ -1,0 +1,599 @@
+"""Ray Tune sweeps over any job config key: each trial is one zerolab SFT run (Train V2 pattern:
+the trial function builds its own ``TorchTrainer`` with ``TuneReportCallback``).
+
+A sweep file (YAML) says what to vary and how to search::
+
+    name: stage-x-rank            # Tune experiment, MLflow parent run, results folder
+    metric: perf/tokens_per_s     # objective: any metric a run reports
+    mode: max
+    search: grid                  # grid | random | optuna
+    num_samples: 1                # grid: repeats of the grid; random/optuna: trials
+    scheduler: asha               # none | asha (early stopping on the metric)
+    grace_period: 10              # asha: steps before a trial can be stopped
+    batch: keep_accum             # micro_batch_size changes: keep_accum | keep_global
+    set: {train.max_steps: 40}    # overrides for every trial
+    space:
+      deepspeed.zero: {grid: ["0", "2", "2+optimizer", "3"]}   # stage and offload in one key
+      adapter.r: {grid: [8, 16]}
+      train.lr: {loguniform: [1.0e-4, 1.0e-3]}
+
+Every sampled config is validated, and (for grids) checked by the memory estimator, before
+``Tuner.fit()``; a trial the estimator says cannot fit is skipped with the reason, not launched.
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+import logging
+import math
+import random
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from ray.tune import Callback
+
+from zerolab import tracking
+from zerolab.config import ConfigError, SFTConfig, apply_overrides
+
+logger = logging.getLogger("zerolab.tune")
+
+KINDS = ("grid", "choice", "uniform", "loguniform", "randint")
+ZERO_OPTIONS = {"0": (0, False, False), "1": (1, False, False), "2": (2, False, False), "2+optimizer": (2, True, False),
+                "3": (3, False, False), "3+optimizer": (3, True, False), "3+all": (3, True, True)}
+"""``deepspeed.zero`` values -> (stage, offload_optimizer, offload_param): the combinations DeepSpeed accepts."""
+VIRTUAL_KEYS = {"deepspeed.zero": "ZeRO stage and offload together: " + ", ".join(ZERO_OPTIONS)}
+SKIPPED = "skipped"
+
+
+class SweepError(ValueError):
+    """A sweep file or search space that cannot run; lists every problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"invalid sweep ({len(problems)} problem(s)):\n{lines}")
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.problems,)
+
+
+@dataclass(frozen=True)
+class Dimension:
+    key: str
+    kind: Literal["grid", "choice", "uniform", "loguniform", "randint"]
+    values: tuple[Any, ...]
+
+    def tune_domain(self) -> Any:
+        from ray import tune
+
+        if self.kind == "grid":
+            return tune.grid_search(list(self.values))
+        if self.kind == "choice":
+            return tune.choice(list(self.values))
+        low, high = self.values
+        return {"uniform": tune.uniform, "loguniform": tune.loguniform, "randint": tune.randint}[self.kind](low, high)
+
+    def sample(self, rng: random.Random) -> Any:
+        if self.kind in ("grid", "choice"):
+            return rng.choice(self.values)
+        low, high = self.values
+        if self.kind == "uniform":
+            return rng.uniform(low, high)
+        if self.kind == "loguniform":
+            return math.exp(rng.uniform(math.log(low), math.log(high)))
+        return rng.randrange(low, high)
+
+
+@dataclass(frozen=True)
+class Sweep:
+    name: str
+    space: tuple[Dimension, ...]
+    metric: str = "train/loss"
+    mode: Literal["min", "max"] = "min"
+    search: Literal["grid", "random", "optuna"] = "grid"
+    num_samples: int = 1
+    scheduler: Literal["none", "asha"] = "none"
+    grace_period: int = 10
+    reduction_factor: int = 2
+    max_concurrent_trials: int | None = None
+    batch: Literal["keep_accum", "keep_global"] = "keep_accum"
+    overrides: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+
+    def grid_points(self) -> list[dict[str, Any]]:
+        """Every combination of the grid dimensions (the first value of the others)."""
+        axes = [[(d.key, v) for v in d.values] for d in self.space if d.kind == "grid"]
+        return [dict(combo) for combo in itertools.product(*axes)] if axes else [{}]
+
+    def samples(self, n: int = 32) -> list[dict[str, Any]]:
+        """Configs a search would try: the full grid, or ``n`` random draws of the space."""
+        if self.search == "grid" and all(d.kind == "grid" for d in self.space):
+            return self.grid_points()
+        rng = random.Random(self.seed)
+        return [{d.key: d.sample(rng) for d in self.space} for _ in range(n)]
+
+
+DEFAULT_SWEEP: dict[str, Any] = {
+    "name": "default-sweep",
+    "metric": "train/loss",
+    "mode": "min",
+    "search": "grid",
+    "set": {"train.max_steps": 20, "train.log_every_n_steps": 5, "data.num_train_rows": 320, "data.num_eval_rows": 0},
+    "space": {"deepspeed.zero": {"grid": ["0", "2"]}, "adapter.r": {"grid": [4, 16]}},
+}
+"""``python jobs/tune.py`` with no --space: ZeRO stage × adapter rank on the embedded default job (4 trials)."""
+SAVED = "zerolab_sweep.yaml"
+"""The sweep definition and base job, kept in the sweep folder so ``--resume NAME`` needs nothing else."""
+
+SWEEP_KEYS = {"name", "space", "metric", "mode", "search", "num_samples", "scheduler", "grace_period", "reduction_factor",
+              "max_concurrent_trials", "batch", "set", "seed"}
+
+
+def load_sweep(path: str | Path, config_keys: set[str]) -> Sweep:
+    """Read and check a sweep file; every problem is reported at once with the fix."""
+    path = Path(path)
+    if not path.is_file():
+        raise SweepError([f"--space: no such file '{path}'; pass a sweep YAML such as jobs/configs/stage_sweep.yaml"])
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        raise SweepError([f"--space: '{path}' is not valid YAML ({exc})"]) from None
+    return parse_sweep(raw, config_keys, default_name=path.stem.replace("_", "-"))
+
+
+def parse_sweep(raw: Any, config_keys: set[str], default_name: str = "sweep") -> Sweep:
+    problems: list[str] = []
+    if not isinstance(raw, dict):
+        raise SweepError([f"a sweep file holds a mapping (name:, space:, ...), got {type(raw).__name__}"])
+    for key in sorted(set(raw) - SWEEP_KEYS):
+        problems.append(f"{key}: unknown sweep key; valid keys are {', '.join(sorted(SWEEP_KEYS))}")
+    name = str(raw.get("name", default_name))
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
+        problems.append(f"name: {name!r} must be 1-64 letters, digits, '.', '_' or '-' (it names folders and runs)")
+
+    def choice(key: str, default: str, options: tuple[str, ...]) -> str:
+        value = str(raw.get(key, default))
+        if value not in options:
+            problems.append(f"{key}: {value!r} is not one of {', '.join(options)}")
+            return default
+        return value
+
+    def integer(key: str, default: int | None, low: int = 1) -> int | None:
+        value = raw.get(key, default)
+        if value is None:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            problems.append(f"{key}: {value!r} must be an integer >= {low}")
+            return default
+        return value
+
+    space: list[Dimension] = []
+    raw_space = raw.get("space")
+    if not isinstance(raw_space, dict) or not raw_space:
+        problems.append("space: give at least one key to vary, e.g. space: {adapter.r: {grid: [8, 16]}}")
+        raw_space = {}
+    for key, spec in raw_space.items():
+        if key not in config_keys and key not in VIRTUAL_KEYS:
+            close = difflib.get_close_matches(str(key), sorted(config_keys | set(VIRTUAL_KEYS)), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}?" if close else "; use a dotted job config key such as adapter.r"
+            problems.append(f"space.{key}: not a job config key{hint}")
+            continue
+        if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in KINDS:
+            problems.append(f"space.{key}: write one of {{grid: [...]}}, {{choice: [...]}}, {{uniform: [low, high]}}, "
+                            "{loguniform: [low, high]}, {randint: [low, high]}")
+            continue
+        kind, values = next(iter(spec.items()))
+        if not isinstance(values, list) or not values:
+            problems.append(f"space.{key}.{kind}: needs a non-empty list")
+            continue
+        if kind in ("uniform", "loguniform", "randint"):
+            ok = len(values) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values) and values[0] < values[1]
+            if not ok or (kind == "loguniform" and values[0] <= 0) or (kind == "randint" and not all(isinstance(v, int) for v in values)):
+                problems.append(f"space.{key}.{kind}: needs [low, high] with low < high"
+                                + (" and low > 0" if kind == "loguniform" else "") + (", integers" if kind == "randint" else ""))
+                continue
+        if key == "deepspeed.zero":
+            values = [str(v) for v in values]
+            bad = [v for v in values if v not in ZERO_OPTIONS]
+            if bad:
+                problems.append(f"space.deepspeed.zero: {bad} are not options; choose from {', '.join(ZERO_OPTIONS)}")
+                continue
+        space.append(Dimension(str(key), kind, tuple(values)))
+    keys = [d.key for d in space]
+    if "deepspeed.zero" in keys and {"deepspeed.stage", "deepspeed.offload_optimizer", "deepspeed.offload_param"} & set(keys):
+        problems.append("space: deepspeed.zero already sets deepspeed.stage and offload; vary one or the other")
+    search = choice("search", "grid", ("grid", "random", "optuna"))
+    if search == "optuna" and any(d.kind == "grid" for d in space):
+        problems.append("search: optuna samples its own points; write the grid dimensions as {choice: [...]}")
+    if search == "random" and all(d.kind == "grid" for d in space) and space:
+        problems.append("search: random with only grid dimensions is a grid; use search: grid, or {choice: [...]}")
+    overrides = raw.get("set") or {}
+    if not isinstance(overrides, dict):
+        problems.append("set: a mapping of job config keys to values, e.g. set: {train.max_steps: 40}")
+        overrides = {}
+    for key in overrides:
+        if key not in config_keys:
+            problems.append(f"set.{key}: not a job config key")
+    sweep = Sweep(
+        name=name, space=tuple(space), metric=str(raw.get("metric", "train/loss")), mode=choice("mode", "min", ("min", "max")),
+        search=search, num_samples=integer("num_samples", 1) or 1, scheduler=choice("scheduler", "none", ("none", "asha")),
+        grace_period=integer("grace_period", 10) or 10, reduction_factor=integer("reduction_factor", 2, low=2) or 2,
+        max_concurrent_trials=integer("max_concurrent_trials", None), batch=choice("batch", "keep_accum", ("keep_accum", "keep_global")),
+        overrides=dict(overrides), seed=integer("seed", 0, low=0) or 0,
+    )
+    if problems:
+        raise SweepError(problems)
+    return sweep
+
+
+def trial_config(base: dict[str, Any], sweep: Sweep, params: dict[str, Any], run_name: str) -> SFTConfig:
+    """The job config of one trial: the base job, the sweep's ``set``, the trial's params, its own
+    run name and a run folder inside the sweep's. Raises ConfigError."""
+    values = {**sweep.overrides, **params}
+    zero = values.pop("deepspeed.zero", None)
+    if zero is not None:
+        stage, off_opt, off_param = ZERO_OPTIONS[str(zero)]
+        values.update({"deepspeed.stage": stage, "deepspeed.offload_optimizer": off_opt, "deepspeed.offload_param": off_param})
+    base_cfg = base_config(base, sweep)
+    if "train.micro_batch_size" in params and sweep.batch == "keep_global":
+        per_step = base_cfg.train.micro_batch_size * base_cfg.train.grad_accum_steps
+        micro = int(params["train.micro_batch_size"])
+        if per_step % micro:
+            raise ConfigError([f"train.micro_batch_size={micro}: batch: keep_global needs it to divide micro_batch_size × "
+                               f"grad_accum_steps = {per_step} of the base job"])
+        values["train.grad_accum_steps"] = per_step // micro
+    values["run.name"] = run_name
+    values["run.storage_path"] = f"{sweep_path(base_cfg, sweep)}/trial_runs"
+    return SFTConfig.from_dict(apply_overrides(base, [f"{k}={_yaml(v)}" for k, v in values.items()]))
+
+
+def base_config(base: dict[str, Any], sweep: Sweep) -> SFTConfig:
+    """The base job with the sweep's ``set`` applied."""
+    return SFTConfig.from_dict(apply_overrides(base, [f"{k}={_yaml(v)}" for k, v in sweep.overrides.items()]))
+
+
+def sweep_path(cfg: SFTConfig, sweep_name: Sweep | str) -> str:
+    """The sweep's folder: Tune's experiment (trials, state for --resume) and the trials' run folders."""
+    name = sweep_name.name if isinstance(sweep_name, Sweep) else sweep_name
+    storage = cfg.run.storage_path if "://" in cfg.run.storage_path else str(Path(cfg.run.storage_path).expanduser().resolve())
+    return f"{storage.rstrip('/')}/{name}"
+
+
+def _yaml(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def validate_space(base: dict[str, Any], sweep: Sweep) -> list[dict[str, Any]]:
+    """Build the config of every grid point (or of sampled points), so a bad space fails before any
+    trial starts. Returns the points checked; raises SweepError listing each bad one."""
+    points = sweep.samples()
+    problems = []
+    for point in points:
+        try:
+            trial_config(base, sweep, point, f"{sweep.name}-check")
+        except ConfigError as exc:
+            label = ", ".join(f"{k}={v}" for k, v in point.items())
+            problems.extend(f"trial {{{label}}}: {p}" for p in exc.problems)
+    if problems:
+        raise SweepError(sorted(set(problems)))
+    return points
+
+
+def max_concurrent(cfg: SFTConfig) -> int:
+    """Trials that fit the cluster at once: its GPUs (or CPUs) over what one trial's workers take,
+    so no trial waits on resources another holds."""
+    import ray
+
+    resources = ray.cluster_resources()
+    s = cfg.scaling
+    if s.use_gpu:
+        return max(1, int(resources.get("GPU", 0)) // s.num_workers)
+    return max(1, int(resources.get("CPU", 0) // (s.num_workers * s.cpus_per_worker)))
+
+
+@dataclass
+class TrialRow:
+    trial_id: str
+    run_name: str
+    params: dict[str, Any]
+    status: str
+    objective: float | None
+    metrics: dict[str, Any]
+    note: str = ""
+
+
+def trial_function(config: dict[str, Any], *, base: dict[str, Any], sweep: Sweep, parent_run_id: str, uri: str) -> None:
+    """One trial: run the SFT job for these params as a child MLflow run. A trial the memory
+    estimator refuses reports itself skipped (with the reason) instead of launching workers."""
+    import ray.tune
+
+    from zerolab import memory
+    from zerolab.run import run_sft
+
+    trial_id = ray.tune.get_context().get_trial_id()
+    cfg = trial_config(base, sweep, config, run_name=f"{sweep.name}-{trial_id}")
+    cfg = cfg.replace(tracking=replace(cfg.tracking, uri=uri, register=False))
+    try:
+        run_sft(cfg, parent_run_id=parent_run_id, in_tune=True)
+    except memory.MemoryPreflightError as exc:
+        reason = str(exc).splitlines()[0]
+        run_id, _ = tracking.open_run(uri, cfg.tracking.experiment, cfg.run.name,
+                                      tags={"mlflow.parentRunId": parent_run_id, "zerolab.skipped": reason[:5000]})
+        tracking.close_run(uri, run_id, "KILLED")
+        ray.tune.report({SKIPPED: 1, "reason": reason})
+
+
+def run_sweep(base: dict[str, Any], sweep: Sweep, *, resume: bool = False, out_dir: str | Path | None = None) -> list[TrialRow]:
+    """Run (or resume) the sweep; returns the ranked trial rows and writes the results table."""
+    import ray
+    from ray import tune
+    from ray.tune import RunConfig as TuneRunConfig
+    from ray.tune import TuneConfig, Tuner
+
+    from zerolab.run import connect_ray
+
+    points = validate_space(base, sweep)
+    base_cfg = base_config(base, sweep)
+    connect_ray(base_cfg, log_to_driver=False)
+    uri = tracking.tracking_uri(base_cfg.tracking.uri)
+    parent_id, resumed = tracking.open_run(uri, base_cfg.tracking.experiment, sweep.name, tags={"zerolab.sweep": sweep.name})
+    logger.info("sweep %s: MLflow parent run %s (%s); %s search over %s", sweep.name, parent_id,
+                "resumed" if resumed else "new", sweep.search, ", ".join(d.key for d in sweep.space))
+    if sweep.search == "grid":
+        _announce_skips(base, sweep, points)
+    concurrent = sweep.max_concurrent_trials or max_concurrent(base_cfg)
+    trainable = tune.with_resources(
+        tune.with_parameters(trial_function, base=base, sweep=sweep, parent_run_id=parent_id, uri=uri),
+        # The trial only drives Ray Train; its workers reserve the CPUs/GPUs. Tune needs a non-empty
+        # request, and a byte of memory takes nothing the workers need.
+        {"memory": 1})
+    status = "FAILED"
+    try:
+        tracking.log_params(uri, parent_id, {"sweep.search": sweep.search, "sweep.metric": sweep.metric, "sweep.mode": sweep.mode,
+                                             "sweep.scheduler": sweep.scheduler, "sweep.max_concurrent_trials": concurrent,
+                                             **{f"sweep.space.{d.key}": f"{d.kind} {list(d.values)}" for d in sweep.space}})
+        _log_yaml(uri, parent_id, "search_space.yaml", _sweep_dict(sweep))
+        experiment_path = sweep_path(base_cfg, sweep)
+        if resume:
+            if not Tuner.can_restore(experiment_path):
+                raise SweepError([f"--resume {sweep.name}: no sweep to resume at {experiment_path}; start it without --resume"])
+            tuner = Tuner.restore(experiment_path, trainable=trainable, resume_errored=False, restart_errored=False)
+        else:
+            save_definition(experiment_path, base, sweep)
+            tuner = Tuner(
+                trainable,
+                param_space={d.key: d.tune_domain() for d in sweep.space},
+                tune_config=TuneConfig(
+                    num_samples=sweep.num_samples, max_concurrent_trials=concurrent, search_alg=_searcher(sweep),
+                    scheduler=_scheduler(sweep, base_cfg),
+                    trial_name_creator=lambda t: f"{sweep.name}-{t.trial_id}", trial_dirname_creator=lambda t: t.trial_id,
+                ),
+                run_config=TuneRunConfig(name=sweep.name, storage_path=experiment_path.rsplit("/", 1)[0], verbose=0, callbacks=[OneLinePerTrial(sweep)]),
+            )
+        grid = tuner.fit()
+        rows = _rows(grid, sweep)
+        _finish_children(uri, base_cfg.tracking.experiment, rows)
+        write_results(rows, sweep, uri, base_cfg.tracking.experiment, parent_id, Path(out_dir or Path("sweeps") / sweep.name))
+        best = next((r for r in rows if r.status == "FINISHED" and r.objective is not None), None)
+        if best is not None:
+            _log_yaml(uri, parent_id, "best_config.yaml", trial_config(base, sweep, best.params, best.run_name).to_dict())
+            tracking.log_params(uri, parent_id, {"sweep.best_trial": best.trial_id})
+            tracking.MetricsLogger(uri, parent_id).log({f"best/{sweep.metric}": best.objective}, step=0)
+        status = "FINISHED"
+        return rows
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        tracking.close_run(uri, parent_id, status)
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+def _announce_skips(base: dict[str, Any], sweep: Sweep, points: list[dict[str, Any]]) -> None:
+    """Before the sweep: which grid points the memory estimator says will not fit."""
+    from zerolab import memory
+    from zerolab.run import cluster_limits
+
+    limits = None
+    for point in points:
+        cfg = trial_config(base, sweep, point, f"{sweep.name}-check")
+        try:
+            limits = limits or cluster_limits(cfg)
+            memory.preflight(cfg, memory.load_model_config(cfg), limits)
+        except memory.MemoryPreflightError as exc:
+            label = ", ".join(f"{k}={v}" for k, v in point.items())
+            print(f"  will skip {{{label}}}: {str(exc).splitlines()[0]}", flush=True)
+        except Exception:  # an estimate that cannot be made does not decide anything
+            continue
+
+
+def _searcher(sweep: Sweep) -> Any:
+    if sweep.search != "optuna":
+        return None
+    from ray.tune.search.optuna import OptunaSearch
+
+    return OptunaSearch(metric=sweep.metric, mode=sweep.mode, seed=sweep.seed)
+
+
+def _scheduler(sweep: Sweep, cfg: SFTConfig) -> Any:
+    if sweep.scheduler != "asha":
+        return None
+    from ray.tune.schedulers import ASHAScheduler
+
+    return ASHAScheduler(time_attr="step", metric=sweep.metric, mode=sweep.mode, max_t=max(cfg.train.max_steps or 10**9, 1),
+                         grace_period=sweep.grace_period, reduction_factor=sweep.reduction_factor)
+
+
+class OneLinePerTrial(Callback):
+    """One line per trial result, completion and error instead of Tune's status tables."""
+
+    def __init__(self, sweep: Sweep) -> None:
+        self.sweep = sweep
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        if result.get(SKIPPED):
+            return
+        value = result.get(self.sweep.metric)
+        shown = f"{value:.4g}" if isinstance(value, (int, float)) else "-"
+        print(f"[{trial.trial_id}] step {result.get('step', '?')}  {self.sweep.metric}={shown}  {_label(trial.config)}", flush=True)
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        result = trial.last_result or {}
+        if result.get(SKIPPED):
+            print(f"[{trial.trial_id}] skipped: {result.get('reason')}  {_label(trial.config)}", flush=True)
+        else:
+            print(f"[{trial.trial_id}] done  {_label(trial.config)}", flush=True)
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        print(f"[{trial.trial_id}] FAILED  {_label(trial.config)} (the sweep goes on)", flush=True)
+
+
+def _label(config: dict[str, Any]) -> str:
+    return " ".join(f"{k.split('.')[-1]}={v:.3g}" if isinstance(v, float) else f"{k.split('.')[-1]}={v}" for k, v in config.items())
+
+
+def _rows(grid: Any, sweep: Sweep) -> list[TrialRow]:
+    from zerolab.cli import root_cause
+
+    rows = []
+    for result in grid:
+        metrics = dict(result.metrics or {})
+        trial_id = metrics.get("trial_id") or Path(result.path).name
+        params = {k: v for k, v in (result.config or {}).items()}
+        if metrics.get(SKIPPED):
+            status, note = "SKIPPED", str(metrics.get("reason", ""))
+        elif result.error is not None:
+            status, note = "ERROR", root_cause(result.error)
+        elif metrics.get("perf/wall_s") is None:
+            status, note = "STOPPED", f"stopped early at step {metrics.get('step', '?')} ({sweep.scheduler})"
+        else:
+            status, note = "FINISHED", ""
+        objective = metrics.get(sweep.metric) if status in ("FINISHED", "STOPPED") else None
+        rows.append(TrialRow(trial_id, f"{sweep.name}-{trial_id}", params, status, objective, metrics, note))
+    sign = -1 if sweep.mode == "max" else 1
+    order = {"FINISHED": 0, "STOPPED": 1, "ERROR": 2, "SKIPPED": 3}
+    rows.sort(key=lambda r: (order[r.status], sign * r.objective if r.objective is not None else math.inf, r.trial_id))
+    return rows
+
+
+def _finish_children(uri: str, experiment: str, rows: list[TrialRow]) -> None:
+    """Give each trial's MLflow run the status Tune saw. Tune ends a trial by stopping its actor, at
+    ASHA's decision or right after the last report when the trial reached ``max_t``, so the run may
+    still say RUNNING or FAILED; a trial that finished training gets its adapter logged from the
+    checkpoint it reported if the actor stopped before doing so."""
+    from ray.train import Checkpoint
+
+    client = tracking._client(uri)
+    exp = client.get_experiment_by_name(experiment)
+    wanted = {"FINISHED": "FINISHED", "STOPPED": "KILLED", "ERROR": "FAILED"}
+    for row in rows:
+        runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`{tracking.RUN_NAME_TAG}` = '{row.run_name}'",
+                                  max_results=1)
+        if not runs or row.status not in wanted or runs[0].info.status == wanted[row.status]:
+            continue
+        run_id = runs[0].info.run_id
+        checkpoint = row.metrics.get("checkpoint_path")
+        if row.status == "FINISHED" and checkpoint and not any(a.path == "adapter" for a in client.list_artifacts(run_id)):
+            with Checkpoint(checkpoint).as_directory() as folder:
+                tracking.log_artifact(uri, run_id, Path(folder) / "adapter", "adapter")
+        client.set_tag(run_id, "zerolab.trial_status", row.note or row.status)
+        client.set_terminated(run_id, wanted[row.status])
+
+
+RESULT_COLUMNS = (("tokens_per_s", "perf/tokens_per_s"), ("gpu_peak_gib", "mem/gpu_peak_allocated_gib"),
+                  ("host_rss_gib", "mem/host_rss_peak_gib"), ("gpu_util_pct", "gpu_util_pct"), ("cpu_util_pct", "cpu_util_pct"),
+                  ("train_loss", "train/loss"), ("eval_loss", "eval/loss"), ("wall_s", "perf/wall_s"))
+"""Table column -> trial metric (utilisation: the mean of the run's MLflow system metrics)."""
+
+
+def results_table(rows: list[TrialRow], sweep: Sweep) -> tuple[list[str], list[list[str]]]:
+    """Ranked: rank, trial, each space key, objective, tokens/s, peak GPU/host memory, losses, wall
+    time (the columns some trial has), status."""
+    from zerolab.compare import _fmt
+
+    keys = [d.key for d in sweep.space]
+    extra = [(c, m) for c, m in RESULT_COLUMNS if m != sweep.metric and any(r.metrics.get(m) is not None for r in rows)]
+    header = ["rank", "trial", *keys, sweep.metric, *[c for c, _ in extra], "status"]
+    cells = []
+    for i, r in enumerate(rows, 1):
+        status = r.status + (f": {r.note}" if r.note else "")
+        cells.append([str(i), r.trial_id, *(str(r.params.get(k, "")) for k in keys), _fmt(r.objective),
+                      *(_fmt(r.metrics.get(m)) for _, m in extra), status])
+    return header, cells
+
+
+def write_results(rows: list[TrialRow], sweep: Sweep, uri: str, experiment: str, parent_id: str, out: Path) -> dict[str, Path]:
+    """``results.csv``/``results.md`` (ranked) and the comparison chart of the trials' runs, in
+    ``out`` and as parent-run artifacts; prints the table."""
+    import csv
+
+    from zerolab import compare
+
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        runs = compare.collect(uri, experiment, parent_id)
+    except compare.CompareError:
+        runs = []
+    by_name = {r.name: r for r in runs}
+    for row in rows:
+        if row.run_name in by_name:
+            row.metrics.update({k: by_name[row.run_name].values.get(k) for k in compare.UTILISATION})
+    header, cells = results_table(rows, sweep)
+    paths = {"csv": out / "results.csv", "md": out / "results.md"}
+    with paths["csv"].open("w", newline="") as f:
+        csv.writer(f).writerows([header, *cells])
+    paths["md"].write_text(compare.markdown(header, cells))
+    trained = [r for r in runs if r.loss_curve]  # skipped trials have none
+    if trained:
+        compare.plot(trained, out / "runs.png")
+        paths["png"] = out / "runs.png"
+    for path in paths.values():
+        tracking.log_artifact(uri, parent_id, path, "results")
+    print("\n" + compare.text_table(header, cells), flush=True)
+    print(f"\nwritten {', '.join(str(p) for p in paths.values())}", flush=True)
+    return paths
+
+
+def save_definition(path: str, base: dict[str, Any], sweep: Sweep) -> None:
+    from pyarrow import fs
+
+    filesystem, root = fs.FileSystem.from_uri(path if "://" in path else str(Path(path).resolve()))
+    filesystem.create_dir(root, recursive=True)
+    with filesystem.open_output_stream(f"{root}/{SAVED}") as f:
+        f.write(yaml.safe_dump({"base": base, "sweep": _sweep_dict(sweep)}, sort_keys=False, allow_unicode=True).encode())
+
+
+def load_definition(path: str) -> tuple[dict[str, Any], Sweep]:
+    """The base job and sweep saved in the sweep folder ``path``; raises SweepError when there is none."""
+    from pyarrow import fs
+
+    filesystem, root = fs.FileSystem.from_uri(path if "://" in path else str(Path(path).resolve()))
+    try:
+        with filesystem.open_input_stream(f"{root}/{SAVED}") as f:
+            saved = yaml.safe_load(f.read().decode())
+    except (FileNotFoundError, OSError):
+        raise SweepError([f"--resume: no sweep at {path} (no {SAVED}); check the name and run.storage_path, "
+                          "or start the sweep without --resume"]) from None
+    base = saved["base"]
+    keys = set(SFTConfig.from_dict(base).flat())
+    return base, parse_sweep(saved["sweep"], keys)
+
+
+def _sweep_dict(sweep: Sweep) -> dict[str, Any]:
+    return {"name": sweep.name, "metric": sweep.metric, "mode": sweep.mode, "search": sweep.search, "num_samples": sweep.num_samples,
+            "scheduler": sweep.scheduler, "grace_period": sweep.grace_period, "reduction_factor": sweep.reduction_factor,
+            "batch": sweep.batch, "set": sweep.overrides, "space": {d.key: {d.kind: list(d.values)} for d in sweep.space}}
+
+
+def _log_yaml(uri: str, run_id: str, name: str, data: dict[str, Any]) -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / name
+        path.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
+        tracking.log_artifact(uri, run_id, path)

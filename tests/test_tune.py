@@ -1,0 +1,189 @@
+"""Ray Tune sweeps: the sweep file and its checks (fast tier), then real sweeps of tiny SFT jobs on
+CPU with real Tune, DeepSpeed and MLflow: a stage × r × batch grid, a failing and an infeasible
+trial, ASHA stopping poor trials, and a killed sweep resumed without repeating finished trials."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from conftest import REPO, tiny_overrides
+from zerolab import tune
+from zerolab.config import ConfigError, SFTConfig, apply_overrides
+
+KEYS = set(SFTConfig().flat())
+
+
+def test_sweep_file_problems_are_listed_together():
+    raw = {"nme": "x", "search": "bayes", "space": {"adapter.rank": {"grid": [8]}, "train.lr": {"loguniform": [0, 1e-3]},
+                                                   "deepspeed.zero": {"grid": ["4"]}, "adapter.r": [8, 16]}}
+    with pytest.raises(tune.SweepError) as err:
+        tune.parse_sweep(raw, KEYS)
+    text = str(err.value)
+    assert "nme: unknown sweep key" in text
+    assert "search: 'bayes' is not one of grid, random, optuna" in text
+    assert "space.adapter.rank: not a job config key; did you mean" in text
+    assert "space.train.lr.loguniform: needs [low, high] with low < high and low > 0" in text
+    assert "space.deepspeed.zero: ['4'] are not options" in text
+    assert "space.adapter.r: write one of {grid: [...]}" in text
+    assert len(err.value.problems) == 6
+
+
+def test_optuna_takes_sampled_dimensions_and_builds_its_searcher():
+    with pytest.raises(tune.SweepError, match="optuna samples its own points"):
+        tune.parse_sweep({"search": "optuna", "space": {"adapter.r": {"grid": [8, 16]}}}, KEYS)
+    sweep = tune.parse_sweep({"search": "optuna", "metric": "eval/loss", "num_samples": 3,
+                              "space": {"adapter.r": {"choice": [8, 16]}, "train.lr": {"loguniform": [1e-4, 1e-3]}}}, KEYS)
+    from ray.tune.search.optuna import OptunaSearch
+
+    assert isinstance(tune._searcher(sweep), OptunaSearch)
+    assert len(sweep.samples(5)) == 5 and all(1e-4 <= s["train.lr"] <= 1e-3 for s in sweep.samples(5))
+
+
+def test_trial_config_maps_zero_options_and_keeps_the_global_batch():
+    sweep = tune.parse_sweep({"name": "s", "batch": "keep_global", "set": {"train.grad_accum_steps": 2},
+                              "space": {"deepspeed.zero": {"grid": ["3+all"]}, "train.micro_batch_size": {"grid": [4, 32]}}}, KEYS)
+    base = {"train": {"micro_batch_size": 16}, "run": {"storage_path": "/tmp/x"}}
+    cfg = tune.trial_config(base, sweep, {"deepspeed.zero": "3+all", "train.micro_batch_size": 4}, "s-t1")
+    assert (cfg.deepspeed.stage, cfg.deepspeed.offload_optimizer, cfg.deepspeed.offload_param) == (3, True, True)
+    assert (cfg.train.micro_batch_size, cfg.train.grad_accum_steps) == (4, 8)  # 16 × 2 = 4 × 8
+    assert cfg.run.name == "s-t1" and cfg.run.storage_path == "/tmp/x/s/trial_runs"
+    with pytest.raises(ConfigError, match="keep_global needs it to divide"):
+        tune.trial_config(base, sweep, {"deepspeed.zero": "3+all", "train.micro_batch_size": 24}, "s-t2")
+
+
+def test_a_space_with_impossible_combinations_fails_before_any_trial():
+    sweep = tune.parse_sweep({"space": {"deepspeed.stage": {"grid": [0, 2]}, "deepspeed.offload_optimizer": {"grid": [True]}}}, KEYS)
+    with pytest.raises(tune.SweepError) as err:
+        tune.validate_space({}, sweep)
+    assert len(err.value.problems) == 1
+    assert "trial {deepspeed.stage=0, deepspeed.offload_optimizer=True}: deepspeed.offload_optimizer: ZeRO stage 0" in str(err.value)
+
+
+def test_config_errors_survive_ray_pickling():
+    err = pickle.loads(pickle.dumps(ConfigError(["a.b: wrong", "c.d: also wrong"])))
+    assert err.problems == ["a.b: wrong", "c.d: also wrong"]
+
+
+def write(tmp_path, name, data):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def base_job(tmp_path, **extra):
+    """A 1-worker tiny job, so two trials share the 2-CPU machine."""
+    values = {"scaling.num_workers": 1, "data.num_train_rows": 48, "data.num_eval_rows": 0, "train.micro_batch_size": 4,
+              "train.max_steps": 2, "train.log_every_n_steps": 1, **extra}
+    raw = apply_overrides({}, tiny_overrides(tmp_path, **values))
+    raw["run"].pop("name")
+    return raw
+
+
+def child_runs(uri, parent_name):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("tests")
+    (parent,) = client.search_runs([exp.experiment_id], f"attributes.run_name = '{parent_name}'")
+    return parent, client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_grid_over_stage_rank_and_batch_gives_one_child_run_per_trial(tmp_path, tiny_model_path):
+    base = base_job(tmp_path)
+    sweep = tune.parse_sweep({"name": "grid", "metric": "perf/tokens_per_s", "mode": "max",
+                              "space": {"deepspeed.zero": {"grid": ["0", "2"]}, "adapter.r": {"grid": [4, 8]},
+                                        "train.micro_batch_size": {"grid": [2, 4]}}}, KEYS)
+    rows = tune.run_sweep(base, sweep, out_dir=tmp_path / "out")
+
+    assert [r.status for r in rows] == ["FINISHED"] * 8
+    assert [r.objective for r in rows] == sorted((r.objective for r in rows), reverse=True)  # ranked by tokens/s
+    uri = base["tracking"]["uri"]
+    parent, children = child_runs(uri, "grid")
+    assert parent.info.status == "FINISHED" and len(children) == 8
+    assert sorted((c.data.params["deepspeed.stage"], c.data.params["adapter.r"], c.data.params["train.micro_batch_size"])
+                  for c in children) == sorted((s, r, b) for s in "02" for r in ("4", "8") for b in ("2", "4"))
+    assert all(c.info.status == "FINISHED" and "train/loss" in c.data.metrics for c in children)
+    from mlflow import MlflowClient
+
+    artifacts = {a.path for a in MlflowClient(uri).list_artifacts(parent.info.run_id)}
+    assert {"search_space.yaml", "best_config.yaml", "results"} <= artifacts
+    table = (tmp_path / "out" / "results.md").read_text()
+    assert table.startswith("| rank | trial | deepspeed.zero | adapter.r | train.micro_batch_size | perf/tokens_per_s |")
+    assert (tmp_path / "out" / "runs.png").stat().st_size > 10_000
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_failing_and_infeasible_trials_are_reported_and_the_sweep_goes_on(tmp_path, tiny_model_path):
+    base = base_job(tmp_path, **{"train.micro_batch_size": 24})
+    sweep = tune.parse_sweep({"name": "mixed", "space": {
+        "model.name_or_path": {"grid": ["builtin:tiny-qwen2", str(tmp_path / "no-such-model")]},
+        "data.max_seq_length": {"grid": [256, 131072]}}}, KEYS)  # 24 × 128k tokens cannot fit
+    rows = tune.run_sweep(base, sweep, out_dir=tmp_path / "out")
+
+    by = {(r.params["model.name_or_path"].startswith("builtin"), r.params["data.max_seq_length"]): r for r in rows}
+    assert by[(True, 256)].status == "FINISHED"
+    assert by[(True, 131072)].status == "SKIPPED" and "memory preflight" in by[(True, 131072)].note
+    assert by[(False, 256)].status == "ERROR" and "no-such-model" in by[(False, 256)].note
+    _, children = child_runs(base["tracking"]["uri"], "mixed")
+    skipped = [c for c in children if "zerolab.skipped" in c.data.tags]
+    assert len(skipped) == 1 and skipped[0].info.status == "KILLED"
+    assert "SKIPPED: memory preflight" in (tmp_path / "out" / "results.md").read_text()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_asha_stops_poor_trials_early(tmp_path, tiny_model_path):
+    base = base_job(tmp_path, **{"train.max_steps": 8, "train.lr": 3e-3})
+    sweep = tune.parse_sweep({"name": "asha", "metric": "train/loss", "mode": "min", "scheduler": "asha", "grace_period": 2,
+                              "max_concurrent_trials": 1,
+                              "space": {"train.lr": {"grid": [3e-3, 1e-7, 1e-7]}}}, KEYS)
+    rows = tune.run_sweep(base, sweep, out_dir=tmp_path / "out")
+
+    statuses = {r.params["train.lr"]: [] for r in rows}
+    for r in rows:
+        statuses[r.params["train.lr"]].append((r.status, r.metrics.get("step")))
+    assert statuses[3e-3] == [("FINISHED", 8)]
+    assert all(status == "STOPPED" and step < 8 for status, step in statuses[1e-7])
+    _, children = child_runs(base["tracking"]["uri"], "asha")
+    assert sorted(c.info.status for c in children) == ["FINISHED", "KILLED", "KILLED"]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_killed_sweep_resumes_without_repeating_finished_trials(tmp_path, tiny_model_path):
+    config = write(tmp_path, "base.yaml", base_job(tmp_path, **{"train.max_steps": 4}))
+    space = write(tmp_path, "space.yaml", {"name": "resumable", "max_concurrent_trials": 1,
+                                           "space": {"adapter.r": {"grid": [2, 4, 8]}}})
+    cmd = [sys.executable, str(REPO / "jobs" / "tune.py"), "--config", str(config), "--space", str(space), "--out", str(tmp_path / "out")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    done = []
+    for line in proc.stdout:
+        if "] done" in line:
+            done.append(line.split("]")[0].lstrip("["))
+            os.kill(proc.pid, signal.SIGKILL)  # the driver dies with one trial finished
+            break
+    proc.wait(timeout=60)
+    time.sleep(5)  # let the orphaned local Ray notice its driver is gone
+    assert done, "no trial finished before the sweep was killed"
+
+    resumed = subprocess.run([sys.executable, str(REPO / "jobs" / "tune.py"), "--config", str(config), "--resume", "resumable",
+                              "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"[{done[0]}] step" not in resumed.stdout  # the finished trial did not run again
+    assert "3 trials: 3 finished" in resumed.stdout
+    uri = yaml.safe_load(config.read_text())["tracking"]["uri"]
+    parent, children = child_runs(uri, "resumable")
+    assert parent.info.status == "FINISHED"
+    assert sorted(c.info.run_name for c in children) == sorted(set(c.info.run_name for c in children))  # no duplicates
+    assert len(children) == 3 and all(c.info.status == "FINISHED" for c in children)
