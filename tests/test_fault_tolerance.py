@@ -68,6 +68,7 @@ def runs_named(uri: str, experiment: str, name: str):
     return [r for r in client.search_runs([exp.experiment_id]) if r.info.run_name == name]
 
 
+@pytest.mark.slow
 def test_killed_worker_is_replaced_and_the_run_matches_an_uninterrupted_one(ray_cluster, tmp_path, tiny_model_path):
     from ray.util.state import list_actors
 
@@ -106,6 +107,7 @@ def sft_command(tmp_path: Path, **extra) -> list[str]:
     return args
 
 
+@pytest.mark.slow
 def test_killed_driver_relaunch_resumes_with_each_step_logged_once(tmp_path, tiny_model_path):
     cmd = sft_command(tmp_path, **{"run.name": "driver-killed"})
     first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -125,6 +127,7 @@ def test_killed_driver_relaunch_resumes_with_each_step_logged_once(tmp_path, tin
     assert metric_steps(uri, run.info.run_id, "train/resumed_from_step")
 
 
+@pytest.mark.slow
 def test_ctrl_c_checkpoints_marks_killed_and_relaunch_finishes(tmp_path, tiny_model_path):
     cmd = sft_command(tmp_path, **{"run.name": "interrupted", "train.max_steps": 400, "train.checkpoint_every_n_steps": 1000})
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

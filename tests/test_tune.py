@@ -155,8 +155,13 @@ def test_asha_stops_poor_trials_early(tmp_path, tiny_model_path):
         statuses[r.params["train.lr"]].append((r.status, r.metrics.get("step")))
     assert statuses[3e-3] == [("FINISHED", 8)]
     assert all(status == "STOPPED" and step < 8 for status, step in statuses[1e-7])
-    _, children = child_runs(base["tracking"]["uri"], "asha")
+    uri = base["tracking"]["uri"]
+    _, children = child_runs(uri, "asha")
     assert sorted(c.info.status for c in children) == ["FINISHED", "KILLED", "KILLED"]
+    from mlflow import MlflowClient
+
+    (finished,) = [c for c in children if c.info.status == "FINISHED"]
+    assert "adapter" in {a.path for a in MlflowClient(uri).list_artifacts(finished.info.run_id)}
 
 
 @pytest.mark.ray
