@@ -51,3 +51,14 @@ def test_contradictions_are_reported_together(tmp_path):
     assert "zero_optimization.stage=3 but deepspeed.stage gives 2" in text
     assert "offloads offload_param to cpu but deepspeed.offload_param=false" in text
     assert len(err.value.problems) == 5
+
+
+def test_stage3_with_only_the_optimizer_offloaded_uses_the_shipped_file_without_param_offload(tmp_path):
+    cfg = load_config(None, ["deepspeed.stage=3", "deepspeed.offload_optimizer=true"])
+    zero = ds_config.resolve(cfg, 128)["zero_optimization"]
+    assert zero["offload_optimizer"]["device"] == "cpu" and "offload_param" not in zero
+    # A file the user gives is theirs: the same contradiction there is an error to fix.
+    own = tmp_path / "own.json"
+    own.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}))
+    with pytest.raises(ConfigError, match="offloads offload_param to cpu but deepspeed.offload_param=false"):
+        ds_config.resolve(load_config(None, ["deepspeed.stage=3", f"deepspeed.config={own}"]), 128)

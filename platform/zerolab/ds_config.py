@@ -53,10 +53,14 @@ def resolve(cfg: SFTConfig, hidden_size: int) -> dict[str, Any]:
         raise ConfigError([f"deepspeed.config: no such file '{path}'; give a DeepSpeed JSON path or leave it empty"]) from None
     except json.JSONDecodeError as exc:
         raise ConfigError([f"deepspeed.config: '{path}' is not valid JSON ({exc}); fix the file"]) from None
-    return fill(raw, cfg, hidden_size, source=str(path))
+    return fill(raw, cfg, hidden_size, source=str(path), shipped=not cfg.deepspeed.config)
 
 
-def fill(raw: dict[str, Any], cfg: SFTConfig, hidden_size: int, *, source: str = "deepspeed.config") -> dict[str, Any]:
+def fill(raw: dict[str, Any], cfg: SFTConfig, hidden_size: int, *, source: str = "deepspeed.config",
+         shipped: bool = False) -> dict[str, Any]:
+    """Fill ``raw``'s "auto" values from the job config; list every contradiction. A ``shipped``
+    file (one of ``ds_configs/``, chosen from the stage and offload flags) follows the flags where
+    they turn an offload off, e.g. ZeRO-3 with only the optimizer offloaded."""
     out = copy.deepcopy(raw)
     problems: list[str] = []
     t, ds = cfg.train, cfg.deepspeed
@@ -101,6 +105,8 @@ def fill(raw: dict[str, Any], cfg: SFTConfig, hidden_size: int, *, source: str =
         device = zero.get(section, {}).get("device", "none")
         if flag and device == "none":
             zero[section] = {"device": "cpu", "pin_memory": True}
+        elif not flag and device != "none" and shipped:
+            del zero[section]
         elif not flag and device != "none":
             problems.append(
                 f"deepspeed.config: {source} offloads {section} to {device} but deepspeed.{section}=false; "

@@ -270,11 +270,14 @@ def _yaml(value: Any) -> str:
 def validate_space(base: dict[str, Any], sweep: Sweep) -> list[dict[str, Any]]:
     """Build the config of every grid point (or of sampled points), so a bad space fails before any
     trial starts. Returns the points checked; raises SweepError listing each bad one."""
+    from zerolab import ds_config
+
     points = sweep.samples()
     problems = []
     for point in points:
         try:
-            trial_config(base, sweep, point, f"{sweep.name}-check")
+            # The DeepSpeed JSON too (its bucket sizes need the model's width, not its validity).
+            ds_config.resolve(trial_config(base, sweep, point, f"{sweep.name}-check"), hidden_size=1024)
         except ConfigError as exc:
             label = ", ".join(f"{k}={v}" for k, v in point.items())
             problems.extend(f"trial {{{label}}}: {p}" for p in exc.problems)
