@@ -66,7 +66,9 @@ def check_run(tmp_path: Path, overrides: list[str]) -> None:
         # Only adapter weights changed: every base weight in the trained state equals the base model's.
         base_state = base.state_dict()
         frozen = {k: v for k, v in state.items() if "lora_" not in k and "ranknum" not in k}
-        assert frozen
+        # Adapter checkpoints leave the frozen parameters out (exclude_frozen_parameters): ZeRO-3's
+        # consolidation holds the adapter alone; ZeRO 0-2 module states keep the tied head's alias.
+        assert frozen or cfg.deepspeed.stage == 3
         for key, value in frozen.items():
             original = base_state[key.replace("base_model.model.", "").replace(".base_layer", "")]
             assert torch.equal(value.float(), original.float()), key

@@ -47,8 +47,10 @@ class ModelSpec:
     """Hugging Face hub id, local folder, or `builtin:tiny-qwen2` (a tiny Qwen2 built from code, no download)."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) when `name_or_path` is a hub id."""
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
-    """Attention kernel; `flash_attention_2` needs a GPU and the flash-attn package."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "varlen"] = "sdpa"
+    """Attention kernel; `varlen`: PyTorch's FlashAttention varlen kernel on packed batches (GPU; elsewhere `sdpa`); `flash_attention_2` needs the flash-attn package."""
+    kernels: Literal["auto", "liger", "none"] = "auto"
+    """Fused Triton kernels (Liger Kernel: RMSNorm, SwiGLU, RoPE, linear + cross-entropy); `auto`: on GPU where the package is installed."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about a third more compute."""
     trust_remote_code: bool = False
@@ -360,6 +362,8 @@ def validate(cfg: SFTConfig) -> list[str]:
             p.append("train.precision: fp16 needs a GPU (DeepSpeed's CPU accelerator has no fp16 loss scaling); use fp32 or auto with scaling.use_gpu=false")
         if m.attn_implementation == "flash_attention_2":
             p.append("model.attn_implementation: flash_attention_2 needs a GPU; use sdpa with scaling.use_gpu=false")
+        if m.kernels == "liger":
+            p.append("model.kernels: liger needs a GPU (its kernels are Triton); use auto or none with scaling.use_gpu=false")
 
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", r.name):
         p.append(f"run.name: {r.name!r} must be 1-128 letters, digits, '.', '_' or '-' (it names folders and the MLflow run)")

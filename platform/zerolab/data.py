@@ -31,6 +31,7 @@ import pyarrow as pa
 import torch
 
 from zerolab.config import SFTConfig
+from zerolab.kernels import CU_SEQLENS_KEY, packed_cu_seqlens
 
 logger = logging.getLogger(__name__)
 
@@ -453,7 +454,9 @@ class MicroBatches:
     packing a micro-batch holds ``micro_batch_size`` rows padded to the longest of them; with
     packing, rows are laid end to end into sequences of at most ``max_seq_length`` tokens with
     per-sample ``position_ids`` (from which the model builds block-diagonal attention, so packed
-    samples do not see each other) and ``micro_batch_size`` such sequences form a micro-batch.
+    samples do not see each other) and the samples' boundaries in the flattened micro-batch
+    (``packed_cu_seqlens``, for the varlen attention kernel); ``micro_batch_size`` such sequences
+    form a micro-batch.
     """
 
     def __init__(self, rows: list[tuple[np.ndarray, np.ndarray]], *, micro_batch_size: int, max_seq_length: int,
@@ -522,6 +525,7 @@ class MicroBatches:
                 parts.append(np.arange(width - lengths[r]))  # padding forms its own (ignored) sequence
                 positions[r] = torch.from_numpy(np.concatenate(parts))
             inputs["position_ids"] = positions
+            inputs[CU_SEQLENS_KEY] = packed_cu_seqlens([[len(self.rows[i][0]) for i in seq] for seq in batch], width)
         else:
             inputs["attention_mask"] = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
         return Batch(inputs=inputs, num_tokens=sum(lengths), num_targets=count_targets(labels))

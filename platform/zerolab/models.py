@@ -194,13 +194,15 @@ def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
 
 
 def load_model(spec: ModelSpec, dtype: torch.dtype) -> PreTrainedModel:
+    from zerolab.kernels import resolve_attention
+
     path = resolve_model_path(spec.name_or_path)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path,
             revision=spec.revision,
             dtype=dtype,
-            attn_implementation=spec.attn_implementation,
+            attn_implementation=resolve_attention(spec.attn_implementation),
             trust_remote_code=spec.trust_remote_code,
         )
     except (OSError, ValueError, ImportError) as exc:

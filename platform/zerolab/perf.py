@@ -18,8 +18,12 @@ def peak_flops(device: torch.device) -> float:
     """Dense bf16 peak of one device, or 0 where unknown (CPU): MFU is then not reported."""
     if device.type != "cuda":
         return 0.0
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in _PEAK_BF16_FLOPS.items() if k in name), 0.0)
+    return peak_flops_of(torch.cuda.get_device_name(device))
+
+
+def peak_flops_of(device_name: str) -> float:
+    """Dense bf16 peak of the GPU model ``device_name`` (as CUDA names it), or 0 where unknown."""
+    return next((v for k, v in _PEAK_BF16_FLOPS.items() if k in device_name), 0.0)
 
 
 def train_flops_per_token(total_params: int, trainable_params: int, full: bool) -> float:

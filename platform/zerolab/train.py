@@ -22,6 +22,7 @@ import socket
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from zerolab import adapters, perf
+from zerolab import adapters, kernels, perf
 from zerolab.config import SFTConfig
 from zerolab.data import Batch, MicroBatches, load_shard, quiet_ray_data_logging
 from zerolab.models import load_model, load_tokenizer
@@ -86,8 +87,8 @@ def train_loop_per_worker(config: dict) -> None:
         # AdaLoRA reads the gradients after the optimizer step and before they are zeroed.
         engine.optimizer.register_step_post_hook(lambda *_: engine.module.base_model.update_and_allocate(engine.global_steps))
 
-    start_step = _restore(engine, rank)
-    stream = batches.iterate(start=start_step * cfg.train.grad_accum_steps)
+    start_step = _restore(engine, rank, adapter_only=cfg.adapter.is_peft())
+    stream = _FirstStepClock(batches.iterate(start=start_step * cfg.train.grad_accum_steps), cfg.train.grad_accum_steps, device)
     tracker = None
     if rank == 0 and config.get("tracking"):
         from zerolab.tracking import MetricsLogger, log_params
@@ -166,6 +167,7 @@ def train_loop_per_worker(config: dict) -> None:
                 report = {"step": done, **metrics, **({"stopped": 1} if stop and not final else {})}
                 if final:
                     report["perf/wall_s"] = time.perf_counter() - run_start
+                    report["perf/first_step_unix"] = stream.first_step_unix or 0.0
                 if _has_eval():
                     report["eval/loss"] = evaluate_loss(engine, cfg, device)
                     log_rank0("step %d eval/loss %.4f", done, report["eval/loss"])
@@ -209,6 +211,11 @@ def _build_model(cfg: SFTConfig, ds_config: dict, total_steps: int) -> torch.nn.
 
         _build_model.hf_ds_config = HfDeepSpeedConfig(ds_config)  # type: ignore[attr-defined]
     model = load_model(cfg.model, dtype)
+    head_trains = not cfg.adapter.is_peft() or "lm_head" in cfg.adapter.target_modules
+    fused_loss = kernels.use_fused_loss(cfg.model.kernels, use_gpu=cfg.scaling.use_gpu, stage=cfg.deepspeed.stage, head_trains=head_trains)
+    if cfg.model.kernels != "none" and cfg.scaling.use_gpu:
+        applied = kernels.apply_liger(model, fused_loss=fused_loss)
+        log_rank0("Liger kernels: %s", ", ".join(applied) if applied else "not available (liger_kernel not installed)")
     # Training needs no KV cache, and with one transformers ignores the per-sample position ids
     # of packed batches: packed samples would attend to each other.
     model.config.use_cache = False
@@ -307,7 +314,9 @@ def _save_and_report(engine: Any, cfg: SFTConfig, tokenizer: Any, step: int, met
     rank = dist.get_rank()
     tmp = Path(tempfile.mkdtemp(prefix="zerolab-ckpt-"))
     try:
-        engine.save_checkpoint(str(tmp / "deepspeed"), tag="state", client_state={"step": step})
+        # An adapter run saves only what trains: the frozen base weights are the model it started from.
+        engine.save_checkpoint(str(tmp / "deepspeed"), tag="state", client_state={"step": step},
+                               exclude_frozen_parameters=cfg.adapter.is_peft())
         torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
         state = _gather_for_save(engine, full=not cfg.adapter.is_peft())
         if rank == 0:
@@ -340,7 +349,7 @@ def _gather_for_save(engine: Any, *, full: bool) -> dict[str, torch.Tensor]:
     return {n: p.detach().cpu().clone() for n, p in module.named_parameters() if p.requires_grad}
 
 
-def _restore(engine: Any, rank: int) -> int:
+def _restore(engine: Any, rank: int, *, adapter_only: bool) -> int:
     """Load the checkpoint Ray Train hands over (a retry or a relaunch); returns the step to start at."""
     import ray.train
 
@@ -351,7 +360,9 @@ def _restore(engine: Any, rank: int) -> int:
 
     with checkpoint.as_directory() as folder:
         try:
-            path, client_state = engine.load_checkpoint(str(Path(folder) / "deepspeed"), tag="state")
+            # Adapter checkpoints hold the trained parameters only (the rest was loaded from the model).
+            path, client_state = engine.load_checkpoint(str(Path(folder) / "deepspeed"), tag="state",
+                                                         load_module_strict=not adapter_only)
         except (OSError, RuntimeError, KeyError, ValueError) as exc:
             raise CheckpointError(f"checkpoint {checkpoint.path} cannot be loaded ({type(exc).__name__}: {exc}); "
                                   "delete it to resume from an earlier one, or pass --restart") from exc
@@ -364,6 +375,27 @@ def _restore(engine: Any, rank: int) -> int:
     step = int(client_state["step"])
     log_rank0("resumed from %s at step %d", checkpoint.path, step)
     return step
+
+
+class _FirstStepClock:
+    """The micro-batch stream, noting the wall-clock time at which the first optimizer step has
+    finished on the device (when the next step asks for its first micro-batch): the end of start-up."""
+
+    def __init__(self, stream: Iterator[Batch], grad_accum_steps: int, device: torch.device) -> None:
+        self.stream, self.device = stream, device
+        self.first_step_unix: float | None = None
+        self._until = grad_accum_steps
+
+    def __iter__(self) -> _FirstStepClock:
+        return self
+
+    def __next__(self) -> Batch:
+        if self._until == 0 and self.first_step_unix is None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # once per run
+            self.first_step_unix = time.time()
+        self._until -= 1
+        return next(self.stream)
 
 
 def _rng_state() -> dict[str, Any]:

@@ -1,0 +1,230 @@
+"""Faster kernels for training on GPUs, each with a clean fallback where it cannot run.
+
+- ``varlen`` attention (``model.attn_implementation: varlen``): packed rows go through PyTorch's
+  FlashAttention variable-length kernel (``torch.nn.attention.varlen``), one causal attention per
+  packed sample from the per-sample boundaries the batcher computes (``packed_cu_seqlens``), so
+  packed samples never attend to each other and no block of the S×S score matrix outside a
+  sample is computed. SDPA with the block-diagonal mask that transformers builds from position
+  ids computes every block, and on GPUs takes the slower memory-efficient kernel. Where the kernel
+  is missing (CPU, older torch) or fails its numerical self-check, the model loads with ``sdpa``
+  instead, which is exact but slower.
+- Liger Kernel (``model.kernels``): Triton kernels for RMSNorm, SwiGLU and RoPE, and the fused
+  linear + cross-entropy loss, which computes the loss and its gradient chunk by chunk without
+  materialising the B·S×V logits (with a 150k vocabulary, the largest tensors of a LoRA step).
+  Applied on GPU when the ``liger_kernel`` package imports; everything else keeps Hugging Face's
+  modules. The fused loss is skipped under ZeRO-3 (the head's weight is partitioned there and
+  only gathered inside the head's own forward) and when the head itself is trained.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import logging
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+VARLEN_ATTENTION = "zerolab_varlen"
+"""The name under which the varlen attention function is registered with transformers."""
+
+CU_SEQLENS_KEY = "packed_cu_seqlens"
+"""Model input (int32, B·S + 1 at most) with the start of every packed sample in the flattened
+micro-batch and its end: the batcher adds it to packed micro-batches; attention other than
+``varlen`` ignores it."""
+
+
+# --- varlen attention -----------------------------------------------------------------------------
+
+
+def resolve_attention(requested: str, device: torch.device | None = None) -> str:
+    """The ``attn_implementation`` to load the model with: ``varlen`` becomes the registered varlen
+    function where it runs correctly on ``device`` (default: the current CUDA device), else ``sdpa``."""
+    if requested != "varlen":
+        return requested
+    reason = varlen_unavailable_reason(device)
+    if reason:
+        logger.info("model.attn_implementation=varlen: %s; using sdpa (exact, slower on packed batches)", reason)
+        return "sdpa"
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
+    return VARLEN_ATTENTION
+
+
+def varlen_unavailable_reason(device: torch.device | None = None) -> str | None:
+    """None when the varlen kernel runs and matches SDPA on ``device``; else why not."""
+    if not torch.cuda.is_available() or (device is not None and device.type != "cuda"):
+        return "no CUDA device"
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    return _varlen_self_check(str(device))
+
+
+@functools.lru_cache(maxsize=4)
+def _varlen_self_check(device: str) -> str | None:
+    """Forward and backward of three packed causal sequences (GQA 4:2) against SDPA per sequence."""
+    try:
+        from torch.nn.attention import varlen  # noqa: F401
+    except ImportError:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen"
+    gen = torch.Generator(device=device).manual_seed(0)
+    lengths = [37, 64, 27]
+    cu = torch.tensor([0, 37, 101, 128], dtype=torch.int32, device=device)
+    q, k, v = (torch.randn(128, h, 64, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for h in (4, 2, 2))
+    try:
+        out = _varlen_call(q, k, v, cu, max(lengths), 64**-0.5)
+        out.float().square().sum().backward()
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        return f"the varlen kernel failed its self-check ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+    grads = q.grad.float().clone()
+    ref_out, ref_grads = [], []
+    for start, n in zip(cu[:-1].tolist(), lengths):
+        qs, ks, vs = (t.detach()[start:start + n].float().transpose(0, 1).requires_grad_() for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks.repeat_interleave(2, 0), vs.repeat_interleave(2, 0), is_causal=True)
+        o.square().sum().backward()
+        ref_out.append(o.detach().transpose(0, 1))
+        ref_grads.append(qs.grad.transpose(0, 1))
+    err_out = (out.float() - torch.cat(ref_out)).norm() / torch.cat(ref_out).norm()
+    err_grad = (grads - torch.cat(ref_grads)).norm() / torch.cat(ref_grads).norm()
+    if not (err_out < 2e-2 and err_grad < 5e-2):  # bf16 operands land near 1e-3..1e-2
+        return f"the varlen kernel disagrees with SDPA (relative error {err_out:.1e} forward, {err_grad:.1e} backward)"
+    return None
+
+
+def _varlen_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+    """Causal varlen attention on (T, heads, head_dim) tensors, across torch versions: releases up
+    to 2.10 take ``is_causal``, later ones ``window_size=(-1, 0)``; both take fewer K/V heads (GQA)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = _varlen_params()
+    kwargs: dict[str, Any] = {"scale": scale} if "scale" in params else {}
+    if "scale" not in params and abs(scale - q.shape[-1] ** -0.5) > 1e-6:
+        raise TypeError(f"this torch's varlen_attn takes no scale, and the model needs {scale} rather than head_dim**-0.5")
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)
+    else:
+        kwargs["is_causal"] = True
+    if "enable_gqa" in params and k.shape[1] != q.shape[1]:
+        kwargs["enable_gqa"] = True
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+
+
+@functools.cache
+def _varlen_params() -> frozenset[str]:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                             **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """A transformers attention function. Packed micro-batches (``packed_cu_seqlens`` given) run the
+    varlen kernel over the flattened B·S tokens, with the row width as the longest-sequence bound (a
+    bound is enough and needs no device sync); any other batch goes to SDPA. transformers builds no
+    mask for this implementation, so those batches must be right-padded (as zerolab's are): with
+    causal attention no real token then sees a padding token."""
+    cu = kwargs.get(CU_SEQLENS_KEY)
+    if cu is None or dropout:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    b, heads, s, d = query.shape
+    # (B, H, S, D) -> (B·S, H, D); the projections' outputs are laid out (B, S, H, D), so these are views.
+    q = query.transpose(1, 2).reshape(b * s, heads, d)
+    k = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
+    v = value.transpose(1, 2).reshape(b * s, value.shape[1], d)
+    out = _varlen_call(q, k, v, cu, s, scaling if scaling is not None else d**-0.5)
+    return out.view(b, s, heads, d), None
+
+
+def packed_cu_seqlens(row_lengths: list[list[int]], width: int) -> torch.Tensor:
+    """Boundaries of every sample of a packed micro-batch in its flattened B×``width`` tokens: each
+    row's samples, then its padding as one more (ignored) sequence."""
+    bounds = [0]
+    for row in row_lengths:
+        start = bounds[-1]
+        for n in row:
+            bounds.append(bounds[-1] + n)
+        if bounds[-1] < start + width:
+            bounds.append(start + width)
+    return torch.tensor(bounds, dtype=torch.int32)
+
+
+# --- Liger Kernel ---------------------------------------------------------------------------------
+
+
+def liger_available() -> bool:
+    """Whether Liger Kernel can run here: the package is installed and a CUDA device exists."""
+    return torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
+
+
+def use_liger(kernels: str, *, use_gpu: bool) -> bool:
+    """Whether Liger's RMSNorm, SwiGLU and RoPE kernels will be applied (what the memory estimate
+    needs to know): on GPU, with ``model.kernels`` ``liger``, or ``auto`` where the package is installed."""
+    if kernels == "none" or not use_gpu:
+        return False
+    return kernels == "liger" or importlib.util.find_spec("liger_kernel") is not None
+
+
+def use_fused_loss(kernels: str, *, use_gpu: bool, stage: int, head_trains: bool) -> bool:
+    """Whether the training loss will be Liger's fused linear + cross-entropy (what the memory
+    estimate needs to know): Liger on (``auto``: where the package is installed), on GPU, below
+    ZeRO-3, with a frozen head."""
+    return use_liger(kernels, use_gpu=use_gpu) and stage < 3 and not head_trains
+
+
+def apply_liger(model: torch.nn.Module, *, fused_loss: bool) -> list[str]:
+    """Patch ``model`` (a Hugging Face causal LM, before peft wraps it) with Liger's kernels; returns
+    what was applied ([] where Liger is unavailable or the architecture unsupported)."""
+    if not liger_available():
+        return []
+    try:
+        from liger_kernel.transformers import monkey_patch
+    except (ImportError, AttributeError, RuntimeError) as exc:  # e.g. a Triton or transformers it does not support
+        logger.warning("Liger Kernel is installed but does not import (%s); training without it", exc)
+        return []
+    patch = getattr(monkey_patch, f"apply_liger_kernel_to_{model.config.model_type}", None)
+    if patch is None:
+        return []
+    options = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False, "fused_linear_cross_entropy": False}
+    accepted = inspect.signature(patch).parameters
+    patch(model=model, **{k: v for k, v in options.items() if k in accepted})
+    applied = [k for k in ("rope", "rms_norm", "swiglu") if k in accepted]
+    if fused_loss and hasattr(model, "lm_head") and hasattr(model, "model"):
+        model.forward = types.MethodType(_fused_loss_forward, model)
+        applied.append("fused_linear_cross_entropy")
+    return applied
+
+
+def _fused_loss_forward(self: Any, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                        position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                        num_items_in_batch: torch.Tensor | int | None = None, **kwargs: Any) -> Any:
+    """The causal LM's forward with the loss from hidden states and the head's weight, fused
+    (training with labels only; evaluation and generation take the model's own forward). Same
+    value as transformers' ``ForCausalLMLoss``: labels shifted by one, -100 ignored, the sum
+    divided by ``num_items_in_batch`` when given, else the mean."""
+    if labels is None or not self.training:
+        return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  labels=labels, num_items_in_batch=num_items_in_batch, **kwargs)
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs).last_hidden_state
+    targets = F.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1).to(hidden.device)
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = liger_fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight, targets,
+                                            ignore_index=-100, reduction=reduction)
+    if num_items_in_batch is not None:
+        loss = loss / num_items_in_batch
+    return CausalLMOutputWithPast(loss=loss)
+
+
+__all__ = ["CU_SEQLENS_KEY", "VARLEN_ATTENTION", "apply_liger", "liger_available", "packed_cu_seqlens", "resolve_attention",
+           "use_fused_loss", "use_liger", "varlen_attention_forward", "varlen_unavailable_reason"]
