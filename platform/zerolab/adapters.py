@@ -137,6 +137,10 @@ def save_trained(model: torch.nn.Module, state: dict[str, torch.Tensor], folder:
         if not expected:
             raise SaveCheckError("the adapter state is empty: no trainable adapter weights were gathered")
     else:
+        if getattr(model.config, "tie_word_embeddings", False):
+            # Gathered to the CPU tensor by tensor, the tied head is a copy rather than the embedding
+            # itself, and transformers would save both; the tied model has one.
+            state = {k: v for k, v in state.items() if k != "lm_head.weight"}
         model.save_pretrained(str(folder), state_dict=state, safe_serialization=True)
         with open(folder / "config.json") as f:
             tied = json.load(f).get("tie_word_embeddings", False)
