@@ -89,7 +89,8 @@ def test_seeds_conclusions_about_stages():
     for n in (2, 4):
         stage3 = memory.estimate(gpu_cfg("deepspeed.stage=3", workers=n), QWEN25_7B)
         partitioned = 2 * stage0.total_params / n
-        assert partitioned <= stage3.device["weights"] < partitioned * 1.01  # + small persistent params and fp32 adapters
+        # + small persistent parameters, and the adapters whole in fp32 (adapter runs keep them persistent)
+        assert partitioned <= stage3.device["weights"] < partitioned * 1.01 + 4 * stage3.trainable_params
 
 
 def _attrs(d: dict):
@@ -132,7 +133,8 @@ def test_offload_moves_optimizer_and_parameters_to_host():
 
     full = memory.estimate(gpu_cfg("deepspeed.stage=3", "deepspeed.offload_optimizer=true", "deepspeed.offload_param=true",
                                    workers=2), QWEN25_7B)
-    assert full.device["weights"] < 0.01 * base.device["weights"]  # only the small persistent parameters stay
+    # only the persistent parameters stay: norms, biases and the adapters (whole, fp32)
+    assert full.device["weights"] < 0.01 * base.device["weights"] + 4 * T
     assert abs(full.host_worker["offloaded parameters"] - base.device["weights"] / 2) < 0.01 * base.device["weights"]
     cpu = memory.estimate(load_config(None, ["deepspeed.stage=3", "deepspeed.offload_optimizer=true",
                                              "deepspeed.offload_param=true"]), QWEN25_05B)
@@ -262,7 +264,7 @@ def test_fits_checks_every_known_limit():
     assert not small.fits and any("GPU:" in r and "too much" in r for r in small.reasons)
     few = est.fits(Limits(gpu_mem_bytes=80 * GIB, gpus_per_node=1, host_mem_bytes=256 * GIB))
     assert not few.fits and any("needs 2" in r for r in few.reasons)
-    ram = est.fits(Limits(gpu_mem_bytes=80 * GIB, gpus_per_node=2, host_mem_bytes=16 * GIB))
+    ram = est.fits(Limits(gpu_mem_bytes=80 * GIB, gpus_per_node=2, host_mem_bytes=8 * GIB))
     assert not ram.fits and any(r.startswith("host:") and "too much" in r for r in ram.reasons)
     unknown = est.fits(Limits())
     assert unknown.fits and all("not checked" in r for r in unknown.reasons)

@@ -112,11 +112,18 @@ def fill(raw: dict[str, Any], cfg: SFTConfig, hidden_size: int, *, source: str =
                 f"deepspeed.config: {source} offloads {section} to {device} but deepspeed.{section}=false; "
                 f"set deepspeed.{section}=true or remove the section"
             )
-    # DeepSpeed's and Hugging Face's defaults for bucket sizes scale with the hidden size.
+    # DeepSpeed's and Hugging Face's defaults for bucket sizes scale with the hidden size. Adapter
+    # training under ZeRO-3 gets two changes: every adapter matrix (at most r × 8h elements for
+    # intermediate sizes up to 8h) stays whole on every rank, since gathering several hundred tiny
+    # tensors per pass, one collective each, costs far more time than their memory; and the
+    # frozen weights are prefetched a whole decoder layer ahead (a Llama/Qwen2 layer is ~12-20 h²
+    # elements), so the gathers overlap the previous layer's compute instead of waiting for it.
+    h = hidden_size
+    adapter = cfg.adapter.is_peft()
     derived = {
-        "reduce_bucket_size": hidden_size * hidden_size,
-        "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
-        "stage3_param_persistence_threshold": 10 * hidden_size,
+        "reduce_bucket_size": h * h,
+        "stage3_prefetch_bucket_size": 20 * h * h if adapter else int(0.9 * h * h),
+        "stage3_param_persistence_threshold": max(10 * h, 8 * cfg.adapter.r * h + 1) if adapter else 10 * h,
     }
     for key, value in derived.items():
         if zero.get(key) == "auto":

@@ -27,7 +27,7 @@ Sizes of saved activations were checked tensor by tensor against autograd's save
 CPU (``tests/test_memory.py`` repeats that check on tiny models). Terms that depend on the
 software stack rather than on arithmetic (CUDA context, allocator fragmentation, process RSS) are
 the named constants of :class:`Calibration`, fitted from measurements with
-``jobs/calibrate_memory.py``; ``docs/memory.md`` lists every formula and the measured errors.
+``bench/calibrate_memory.py``; ``docs/calibration/memory_calibration.md`` lists the measured errors.
 
 Everything here is arithmetic on configs: importing this module starts nothing, and only
 :meth:`Limits.detect` looks at the machine.
@@ -75,14 +75,19 @@ class MemoryPreflightError(MemoryEstimateError):
 @dataclass(frozen=True, kw_only=True)
 class Calibration:
     """Constants of the estimate that depend on the software stack rather than on the model's
-    arithmetic. The defaults are first guesses for GPUs (CPU values were measured on the test
-    machine); ``jobs/calibrate_memory.py`` measures real runs and prints fitted values."""
+    arithmetic. GPU values are fitted to the runs in ``docs/calibration/memory_calibration.md``
+    (H100 and 2 × H200, torch 2.11, DeepSpeed 0.19.8, Ray 2.60; ``bench/calibrate_memory.py``
+    measures and fits them); CPU values were measured on the test machine."""
 
-    framework_device_bytes: int = 256 * MIB
+    framework_device_bytes: int = 347 * MIB
     """GPU memory that torch and DeepSpeed allocate through torch's allocator besides the model's
-    tensors: cuBLAS workspaces, communication staging tensors, RNG state, bookkeeping tensors."""
-    reserved_factor: float = 1.10
-    """Peak reserved / peak allocated of torch's caching allocator (block rounding, fragmentation)."""
+    tensors: cuBLAS workspaces, communication staging tensors, RNG state, bookkeeping tensors
+    (fitted: the median residual of the measured allocated peaks)."""
+    reserved_factor: float = 1.22
+    """Peak reserved / peak allocated of torch's caching allocator (block rounding, fragmentation):
+    the median of the calibration runs. It is not a constant of the machine: measured 1.01 with
+    LoRA on one GPU, 1.16-1.27 without Liger's kernels or under ZeRO-3, 1.7-1.8 with two GPUs at
+    ZeRO 0/2 or full fine-tuning, 2.8 with ZeRO-3 offload."""
     cuda_context_bytes: int = 600 * MIB
     """Per GPU process, outside torch's allocator (so not in ``mem/gpu_*``, but on the card): CUDA
     context, loaded kernel images, cuBLAS/cuDNN handles."""
@@ -92,14 +97,17 @@ class Calibration:
     """Host RSS of one Ray Train worker training on CPU, without its tensors: Python, torch,
     transformers, peft, DeepSpeed, Ray's worker runtime (measured: 0.75-0.84 GiB per worker in
     runs of the tiny model, whose tensors take 0.1 GiB)."""
-    host_process_gpu_bytes: int = 2560 * MIB
+    host_process_gpu_bytes: int = 1980 * MIB
     """The same on a GPU worker: adds the CUDA runtime and the host side of the CUDA context, cuBLAS,
-    cuDNN and NCCL."""
+    cuDNN and NCCL (fitted, with ``host_load_factor_gpu``, to LoRA runs of the 0.5B and 7B shapes)."""
     host_load_factor: float = 1.0
-    """Host RSS of loading the weights, as a multiple of the bytes read. ``from_pretrained`` maps
-    the safetensors files and pages come in as they are read (moving to the GPU, or the ZeRO-3
-    copy into partitions on rank 0) and go when the last tensor of a file is dropped; a dtype
-    conversion adds a private copy. Measured on CPU: +1.0× the file once every tensor is read."""
+    """Host RSS of loading the weights, as a multiple of the bytes read, where the whole checkpoint
+    is held on the host at once: CPU training, and rank 0 under ZeRO-3 (it reads the checkpoint,
+    then partitions it). ``from_pretrained`` maps the safetensors files and pages come in as they
+    are read; a dtype conversion adds a private copy. Measured +1.0× on CPU and under ZeRO-3 on GPU."""
+    host_load_factor_gpu: float = 0.288
+    """The same for ZeRO 0-2 on GPU, where every rank loads the model and DeepSpeed moves it to its
+    GPU: only part of the checkpoint is resident at the peak (fitted: 0.29× the file)."""
     host_cpu_tensor_factor: float = 1.5
     """CPU training only: worker RSS growth / peak bytes of live tensors. glibc keeps freed heap
     chunks of activation-sized tensors mapped, so RSS runs ahead of what is allocated, by an
@@ -693,6 +701,13 @@ class _Estimator:
         # peft makes adapters fp32; DeepSpeed casts them to e except under ZeRO-3 (zero.Init params are not cast).
         self.e_adapter = 4 if (self.peft and self.stage == 3) else self.e
         self.tokens = cfg.train.micro_batch_size * cfg.data.max_seq_length
+        # varlen attention runs on GPUs only; elsewhere the model loads with sdpa (zerolab.kernels).
+        self.attn = "sdpa" if cfg.model.attn_implementation == "varlen" and not self.gpu else cfg.model.attn_implementation
+        from zerolab.kernels import use_fused_loss, use_liger
+
+        head_trains = not self.peft or "lm_head" in target_projections(cfg.adapter)[0]
+        self.liger = use_liger(cfg.model.kernels, use_gpu=self.gpu)
+        self.fused_loss = use_fused_loss(cfg.model.kernels, use_gpu=self.gpu, stage=self.stage, head_trains=head_trains)
         self.P = sum(p.total for p in inventory)
         self.T = sum(p.total for p in inventory if p.trainable)
 
@@ -836,22 +851,26 @@ class _Estimator:
         projection (in, out): with dropout its output and mask (e_a·in + mask·in; the mask is a
         byte on GPU, e_a bytes on CPU), without dropout the input itself (shared, or an fp32 copy
         when the adapter computes in fp32), lora_A's output e_a·r, and DoRA's base and LoRA
-        results (2·e_a·out).
+        results (2·e_a·out). With Liger's kernels (``zerolab.kernels``) each RMSNorm keeps its
+        input in e and the fp32 rsqrt (e·h + 4, also when its weight trains) and SwiGLU keeps the
+        gate and up outputs only (2·e·I).
         """
         s, e, ea = self.shape, self.e, self.e_adapter
         h, inter, s_len = s.hidden_size, s.intermediate_size, self.cfg.data.max_seq_length
         full = not self.peft
-        attn = self.cfg.model.attn_implementation
+        attn = self.attn
         targets, _ = target_projections(self.cfg.adapter)
         targets = [t for t in targets if t != "lm_head"]
         dropout = self.peft and self.cfg.adapter.dropout > 0
         mask_bytes = 1 if self.gpu else ea
-        gqa_repeat = attn != "flash_attention_2" and s.num_kv_heads != s.num_heads
+        # Flash kernels (flash_attention_2, varlen) take fewer K/V heads; so does SDPA without a mask
+        # (varlen's unpacked batches), but transformers repeats K/V for SDPA with one.
+        gqa_repeat = attn not in ("flash_attention_2", "varlen") and s.num_kv_heads != s.num_heads
 
         def input_kept(group: Sequence[str]) -> bool:
             return full or (not dropout and ea == e and any(t in targets for t in group))
 
-        total = 2 * (4 * h + 4 + (e * h if full else 0))
+        total = 2 * self._norm_bytes(trains=full)
         kv = s.q_dim if gqa_repeat else s.kv_dim
         total += e * (s.q_dim + 2 * kv)
         if attn == "eager":
@@ -860,7 +879,7 @@ class _Estimator:
         else:
             total += e * s.q_dim + 4 * s.num_heads  # the kernel's output (o_proj's input) and log-sum-exp
             total += e * s_len if attn == "sdpa" else 0
-        total += 3 * e * inter
+        total += (2 if self.liger else 3) * e * inter
         total += e * h * input_kept(("q_proj", "k_proj", "v_proj")) + e * h * input_kept(("gate_proj", "up_proj"))
         total += e * inter * input_kept(("down_proj",))
         rank = self.cfg.adapter.adalora_init_r if self.cfg.adapter.method == "adalora" else self.cfg.adapter.r
@@ -879,12 +898,12 @@ class _Estimator:
         """Activations saved for the backward pass of one micro-batch of B·S tokens. Without
         checkpointing: L × the per-layer bytes (less what the first layer of an adapter run skips).
         With checkpointing (non-reentrant, per decoder
-        layer) each layer keeps only its input, L·e·h. Both add the final norm (4h + 4, + e·h when
-        the head or the norm trains), RoPE cos/sin (2·e·head_dim), the attention mask (S bytes)
+        layer) each layer keeps only its input, L·e·h. Both add the final norm (as a layer's norm,
+        when the head or the norm trains), RoPE cos/sin (2·e·head_dim), the attention mask (S bytes)
         and the ids and labels (16 bytes)."""
         s, e = self.shape, self.e
         head_trains = not self.peft or "lm_head" in target_projections(self.cfg.adapter)[0]
-        other = 4 * s.hidden_size + 4 + (e * s.hidden_size if head_trains else 0) + 2 * e * s.head_dim
+        other = self._norm_bytes(trains=head_trains) + 2 * e * s.head_dim
         other += self.cfg.data.max_seq_length + 16
         if self.cfg.model.gradient_checkpointing:
             layers = s.num_layers * e * s.hidden_size
@@ -894,14 +913,22 @@ class _Estimator:
 
     def _first_layer_saving(self) -> int:
         """With an adapter and no checkpointing, the first layer's input (the frozen embeddings)
-        needs no gradient: its first norm saves nothing (4h + 4) and its q/k/v adapters keep no
-        dropout masks."""
+        needs no gradient: its first norm saves nothing and its q/k/v adapters keep no dropout masks."""
         if not self.peft or self.cfg.model.gradient_checkpointing:
             return 0
         h = self.shape.hidden_size
         targets = target_projections(self.cfg.adapter)[0]
         masks = sum(t in targets for t in ("q_proj", "k_proj", "v_proj")) if self.cfg.adapter.dropout > 0 else 0
-        return 4 * h + 4 + masks * h * (1 if self.gpu else self.e_adapter)
+        return self._norm_bytes(trains=False) + masks * h * (1 if self.gpu else self.e_adapter)
+
+    def _norm_bytes(self, *, trains: bool) -> int:
+        """What one RMSNorm keeps per token: Hugging Face's keeps its fp32 input copy and rsqrt (4h + 4),
+        plus the normalised input when the norm or what follows it trains (e·h); Liger's its input
+        in e and the rsqrt (e·h + 4)."""
+        h = self.shape.hidden_size
+        if self.liger:
+            return self.e * h + 4
+        return 4 * h + 4 + (self.e * h if trains else 0)
 
     def recomputed_layer(self) -> int:
         """Under checkpointing the backward pass re-runs one layer's forward at a time: its full
@@ -913,8 +940,18 @@ class _Estimator:
         (e·V), their fp32 log-softmax saved by cross-entropy (4·V; the fp32 upcast of the logits is
         freed once it is computed), then in the backward the gradient of the log-probabilities and
         of the fp32 logits (4·V each): (e + 12)·V per token. When the head trains the backward then
-        holds logits, their gradient and the head's weight gradient: 2·e·V per token + V·h·e."""
+        holds logits, their gradient and the head's weight gradient: 2·e·V per token + V·h·e.
+
+        With Liger's fused linear + cross-entropy (``zerolab.kernels``) no logits are kept: the
+        forward computes the gradient of the hidden states (e·h per token, kept for the backward)
+        and the fp32 per-token loss (4), going through the tokens in chunks of
+        2^⌈log2(B·S / ⌈V/h⌉)⌉ rows whose logits (e·V each) are computed in place, plus the matrix
+        product's output of the chunk's input gradient."""
         v = self.shape.vocab_size
+        if self.fused_loss:
+            h = self.shape.hidden_size
+            chunk = min(self.tokens, _pow2(math.ceil(self.tokens / math.ceil(v / h))))
+            return self.tokens * (self.e * h + 4) + chunk * (self.e * v + self.e * h)
         loss = (self.e + 12) * v * self.tokens
         if not self.peft:
             loss = max(loss, 2 * self.e * v * self.tokens + v * self.shape.hidden_size * self.e)
@@ -941,7 +978,8 @@ class _Estimator:
         step = persistent + gradients + DeepSpeed buffers + the last logits (``out`` still holds
         them). Init (ZeRO 1-2 flatten the trainable parameters into a new buffer) = persistent
         without optimizer states + T·e."""
-        logits = self.e * self.shape.vocab_size * self.tokens  # ``out.logits`` lives until the next forward
+        # ``out.logits`` lives until the next forward (the fused loss returns none).
+        logits = 0 if self.fused_loss else self.e * self.shape.vocab_size * self.tokens
         saved, recompute = self.activations(), self.recomputed_layer()
         c = {
             "weights": self.weights(),
@@ -970,7 +1008,9 @@ class _Estimator:
     def host(self, device_peak: int) -> tuple[dict[str, int], dict[str, int], dict[str, int], dict[str, int]]:
         """Per worker: process baseline; dataset shard (⌈rows/N⌉ × (16·S + row overhead)); model
         load (ZeRO 0-2 every rank reads the whole checkpoint, ZeRO-3 rank 0 alone: P × the file's
-        bytes per element, plus P·e when converting dtype, × host_load_factor); offloaded optimizer (ZeRO 1-2: fp32 master, fp32 gradient and
+        bytes per element, plus P·e when converting dtype, × host_load_factor; on GPU with ZeRO 0-2 ×
+        host_load_factor_gpu; ZeRO-3 with parameter offload: + the pinned partitions, filled while
+        the checkpoint is held); offloaded optimizer (ZeRO 1-2: fp32 master, fp32 gradient and
         bit16 parameter partitions pinned, 10·⌈T/N⌉, AdamW states 8·⌈T/N⌉ unpinned, a staging
         buffer of the largest parameter; ZeRO-3: fp32 master pinned, gradient partition e pinned,
         states, and the fp32 gradient of the step: 18·⌈T/N⌉); offloaded parameters (every
@@ -987,7 +1027,8 @@ class _Estimator:
         base_params = sum(p.total for p in self.inv if not p.adapter)
         file_bytes = self.shape.weights_bytes_per_param or e
         # The checkpoint's pages as they are read, plus a converted private copy when dtypes differ.
-        load = int(base_params * (file_bytes + (e if file_bytes != e else 0)) * cal.host_load_factor)
+        factor = cal.host_load_factor_gpu if self.gpu and self.stage < 3 else cal.host_load_factor
+        load = int(base_params * (file_bytes + (e if file_bytes != e else 0)) * factor)
 
         groups = [g for g in (sum(p.total for p in self.inv if p.trainable and (p.ndim >= 2) == big) for big in (True, False)) if g]
         opt_pinned: list[int] = []
@@ -1024,8 +1065,11 @@ class _Estimator:
             "checkpoint save (rank 0)": save,
         }
         resident = worker["offloaded optimizer"] + worker["offloaded parameters"] + rounding + cpu_tensors
+        # ZeRO-3 with parameter offload fills the pinned partitions while rank 0 still holds the
+        # checkpoint it reads (measured: rank 0's peak is the sum of both).
+        partitions = sum(param_pinned) + (sum(_pow2(x) - x for x in param_pinned) if pin else 0)
         rank0 = {
-            "model load": base + dataset + load,
+            "model load": base + dataset + load + partitions,
             "training": base + dataset + resident,
             "checkpoint save": base + dataset + resident + save,
         }

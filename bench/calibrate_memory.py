@@ -1,0 +1,459 @@
+"""Calibrate zerolab's memory estimator: short real trainings, measured peaks next to the predictions.
+
+    python bench/calibrate_memory.py --cases gpu-1 --out cal-h100                 # on one GPU (H100): 3 cases
+    python bench/calibrate_memory.py --cases gpu-2 --out cal-h200x2               # on two GPUs: 4 cases
+    python bench/calibrate_memory.py --cases gpu --out cal --only 0.5b            # the full list, a subset; --resume goes on
+    python bench/calibrate_memory.py --cases tiny --out /tmp/calibration          # CPU: the tiny model, 2 workers
+    python bench/calibrate_memory.py --dry-run --cases gpu-2                      # list the cases and predictions only
+    python bench/calibrate_memory.py --recompute a.csv b.csv --out docs/calibration   # merge rows, predict again
+
+Each case trains a random-init model of a real shape (Qwen2.5-0.5B and -7B, built once from its
+config into ``--models`` or $ZEROLAB_CACHE/calibration, no download; the tiny model's tokenizer,
+the real vocabulary size) for a few packed steps through ``zerolab.run.run_sft``, then compares the
+run's ``mem/gpu_peak_allocated_gib``, ``mem/gpu_peak_reserved_gib`` and ``mem/host_rss_peak_gib``
+(and the node's used memory, sampled) with ``zerolab.memory.estimate``. Rows are appended to
+``<out>/memory_calibration.csv`` as each case ends (``--resume`` skips cases already there), with
+the overrides that predict them again anywhere (``--recompute``, after changing the constants);
+``<out>/memory_calibration.md`` gets the table with errors and the calibration constants fitted to
+the measurements. ``jobs/benchmark.py`` writes rows of the same form for its zerolab runs. A
+harness run by hand on real hardware, not a job: it lives in bench/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import shutil
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+try:
+    import zerolab  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
+
+SHAPES = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B", "qwen2.5-7b": "Qwen/Qwen2.5-7B", "tiny": None}
+"""Calibration shape -> the KNOWN_CONFIGS entry it copies (tiny: the built-in model itself)."""
+
+COLUMNS = ["case", "device", "status", "seconds", "pred_gpu_alloc_gib", "meas_gpu_alloc_gib", "err_gpu_alloc_pct",
+           "pred_gpu_reserved_gib", "meas_gpu_reserved_gib", "err_gpu_reserved_pct", "pred_host_workers_gib",
+           "meas_host_workers_gib", "err_host_pct", "pred_node_total_gib", "meas_node_used_gib", "workers",
+           "base_framework_gib", "base_host_process_gib", "shape", "overrides"]
+
+
+@dataclass(frozen=True)
+class Case:
+    shape: str
+    method: str
+    stage: int
+    offload: str = "none"
+    workers: int = 1
+    micro_batch: int = 4
+    seq_len: int = 1024
+    checkpointing: bool = False
+    gpu: bool = True
+    steps: int = 6
+
+    @property
+    def name(self) -> str:
+        offload = "" if self.offload == "none" else f"-off{self.offload}"
+        device = f"{self.workers}{'gpu' if self.gpu else 'cpu'}"
+        return (f"{self.shape}-{self.method}-z{self.stage}{offload}-{device}-b{self.micro_batch}x{self.seq_len}"
+                f"{'-ckpt' if self.checkpointing else ''}")
+
+    def overrides(self, model: str, out: Path) -> list[str]:
+        # Packed rows fill every sequence, so micro-batches are micro_batch × seq_len tokens, as the
+        # estimate assumes; math_sum rows are ~30 tokens.
+        rows = max(256, self.steps * self.micro_batch * self.workers * (self.seq_len // 24 + 1))
+        return [
+            f"model.name_or_path={model}", f"model.gradient_checkpointing={str(self.checkpointing).lower()}",
+            f"adapter.method={self.method}", "adapter.r=16", "adapter.alpha=32",
+            f"deepspeed.stage={self.stage}", f"deepspeed.offload_optimizer={str(self.offload != 'none').lower()}",
+            f"deepspeed.offload_param={str(self.offload == 'all').lower()}",
+            f"scaling.num_workers={self.workers}", f"scaling.use_gpu={str(self.gpu).lower()}",
+            f"train.precision={'bf16' if self.gpu else 'fp32'}", f"train.micro_batch_size={self.micro_batch}",
+            f"train.max_steps={self.steps}", "train.log_every_n_steps=2", "train.lr=1e-4",
+            "data.packing=true", f"data.max_seq_length={self.seq_len}", f"data.num_train_rows={rows}", "data.num_eval_rows=16",
+            f"run.name=memcal-{self.name.replace('.', '_')}", f"run.storage_path={out / 'runs'}",
+            f"tracking.uri=file://{(out / 'mlruns').resolve()}", "tracking.experiment=memory-calibration", "tracking.register=false",
+        ]
+
+
+def _gpu_cases() -> list[Case]:
+    small = [Case("qwen2.5-0.5b", "full", 0), Case("qwen2.5-0.5b", "full", 0, workers=2),
+             Case("qwen2.5-0.5b", "full", 2, workers=2), Case("qwen2.5-0.5b", "full", 2, "optimizer", workers=2),
+             Case("qwen2.5-0.5b", "full", 3, workers=2), Case("qwen2.5-0.5b", "full", 3, "all", workers=2),
+             Case("qwen2.5-0.5b", "lora", 0), Case("qwen2.5-0.5b", "lora", 3, workers=2)]
+    large = [Case("qwen2.5-7b", "lora", 0, checkpointing=True), Case("qwen2.5-7b", "lora", 0, workers=2, checkpointing=True),
+             Case("qwen2.5-7b", "lora", 2, workers=2, checkpointing=True),
+             Case("qwen2.5-7b", "lora", 2, "optimizer", workers=2, checkpointing=True),
+             Case("qwen2.5-7b", "lora", 3, workers=2, checkpointing=True),
+             Case("qwen2.5-7b", "lora", 3, "all", workers=1, checkpointing=True),
+             Case("qwen2.5-7b", "lora", 3, "all", workers=2, checkpointing=True),
+             Case("qwen2.5-7b", "lora", 0, micro_batch=2, seq_len=512),
+             Case("qwen2.5-7b", "dora", 0, checkpointing=True)]
+    return small + large
+
+
+CASES: dict[str, list[Case]] = {
+    "gpu": _gpu_cases(),
+    # The cases beside the benchmark's zerolab runs (which calibrate LoRA at ZeRO 0/2/3 on 1-2 GPUs):
+    # full fine-tuning, offload and gradient checkpointing, on a one-GPU and a two-GPU machine.
+    "gpu-1": [Case("qwen2.5-0.5b", "full", 0), Case("qwen2.5-7b", "lora", 0, checkpointing=True),
+              Case("qwen2.5-7b", "lora", 3, "all", workers=1, checkpointing=True)],
+    "gpu-2": [Case("qwen2.5-0.5b", "full", 2, workers=2), Case("qwen2.5-0.5b", "full", 3, "all", workers=2),
+              Case("qwen2.5-7b", "lora", 2, "optimizer", workers=2, checkpointing=True),
+              Case("qwen2.5-7b", "lora", 3, "all", workers=2, checkpointing=True)],
+    "gpu-quick": [Case("qwen2.5-0.5b", "full", 0), Case("qwen2.5-0.5b", "full", 3, workers=2),
+                  Case("qwen2.5-7b", "lora", 0, checkpointing=True), Case("qwen2.5-7b", "lora", 3, "all", workers=2, checkpointing=True)],
+    "tiny": [Case("tiny", "lora", 2, workers=2, micro_batch=32, seq_len=512, gpu=False, steps=4),
+             Case("tiny", "lora", 3, "all", workers=2, micro_batch=8, seq_len=128, gpu=False, steps=4)],
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", choices=sorted(CASES), default="gpu", help="case list (default: gpu)")
+    parser.add_argument("--only", action="append", default=[], help="run cases whose name contains this (repeatable)")
+    parser.add_argument("--out", type=Path, default=Path("calibration"), help="folder for the CSV, the Markdown and the runs")
+    parser.add_argument("--resume", action="store_true", help="skip cases already in the CSV")
+    parser.add_argument("--max-minutes", type=float, help="start no new case after this many minutes")
+    parser.add_argument("--dry-run", action="store_true", help="print the cases and their predictions; run nothing")
+    parser.add_argument("--models", type=Path, help="folder for the random-init models (default: $ZEROLAB_CACHE/calibration)")
+    parser.add_argument("--recompute", type=Path, nargs="+", metavar="CSV",
+                        help="no runs: merge these CSVs, predict every row again with the current Calibration, "
+                             "and write <out>/memory_calibration.{csv,md}")
+    args = parser.parse_args(argv)
+
+    if args.recompute:
+        rows = [recompute(r) for r in _read_rows_many(args.recompute)]
+        args.out.mkdir(parents=True, exist_ok=True)
+        csv_path = args.out / "memory_calibration.csv"
+        csv_path.unlink(missing_ok=True)
+        for row in rows:
+            _append_row(csv_path, row)
+        (args.out / "memory_calibration.md").write_text(report(rows))
+        print(report(rows))
+        return 0
+
+    cases = [c for c in CASES[args.cases] if not args.only or any(o in c.name for o in args.only)]
+    if args.dry_run:
+        for case in cases:
+            est = _predict(case, args.out)
+            print(f"{case.name:55s} GPU alloc {est['pred_gpu_alloc_gib']:7.2f}  reserved {est['pred_gpu_reserved_gib']:7.2f}  "
+                  f"host workers {est['pred_host_workers_gib']:7.2f}  node {est['pred_node_total_gib']:7.2f} GiB")
+        return 0
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    csv_path = args.out / "memory_calibration.csv"
+    done = {row["case"] for row in _read_rows(csv_path)} if args.resume else set()
+    if not args.resume and csv_path.exists():
+        csv_path.unlink()
+    start = time.monotonic()
+    for case in cases:
+        if case.name in done:
+            continue
+        if args.max_minutes and time.monotonic() - start > 60 * args.max_minutes:
+            print(f"stopping: --max-minutes {args.max_minutes:g} reached; rerun with --resume to go on")
+            break
+        row = run_case(case, args.out, args.models)
+        _append_row(csv_path, row)
+        print(f"{case.name}: {row['status']} | GPU alloc {row.get('pred_gpu_alloc_gib')} vs {row.get('meas_gpu_alloc_gib')} | "
+              f"host {row.get('pred_host_workers_gib')} vs {row.get('meas_host_workers_gib')} GiB", flush=True)
+    rows = _read_rows(csv_path)
+    (args.out / "memory_calibration.md").write_text(report(rows))
+    print(f"wrote {csv_path} and {args.out / 'memory_calibration.md'}")
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+def model_path(shape: str, root: Path | None = None) -> str:
+    """A loadable folder (or built-in id) with the shape's architecture and random weights."""
+    from zerolab.config import BUILTIN_TINY_MODEL
+    from zerolab.models import cache_dir
+
+    if SHAPES[shape] is None:
+        return BUILTIN_TINY_MODEL
+    return str(random_init_model(shape, root or cache_dir() / "calibration"))
+
+
+def random_init_model(shape: str, root: Path) -> Path:
+    """Build once (bf16, 5 GB safetensors shards like hub checkpoints) the random-init model of
+    ``shape`` with the built-in tiny model's tokenizer and chat template; its token ids all fall
+    inside the real vocabulary, whose full size keeps the logits realistic. Offline."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+    from zerolab.memory import KNOWN_CONFIGS
+    from zerolab.models import build_tiny_model
+
+    target = root / f"random-{shape}"
+    if (target / "complete").is_file():
+        return target
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
+    tokenizer.model_max_length = config_max = 32768  # the shape's context, not the tiny model's 2048
+    config = Qwen2Config(**KNOWN_CONFIGS[SHAPES[shape]], max_position_embeddings=config_max, rope_theta=1_000_000.0, bos_token_id=None,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # a GPU initialises 7B in seconds
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    partial = root / f".random-{shape}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial, max_shard_size="5GB")
+    tokenizer.save_pretrained(partial)
+    (partial / "complete").write_text("")
+    del model
+    torch.cuda.empty_cache()  # the caller goes on to start the runs that need this GPU's memory
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
+    return target
+
+
+def _predict(case: Case, out: Path) -> dict[str, float]:
+    return predict_overrides(estimate_overrides(case.overrides("unused", out)), case.shape)
+
+
+def estimate_overrides(overrides: list[str]) -> list[str]:
+    """The overrides that decide the estimate, without paths that exist only where the run ran:
+    data files become the generated task data of the same row count, the model its shape."""
+    drop = ("model.name_or_path=", "data.train_path=", "data.eval_path=", "run.", "tracking.")
+    kept = [o for o in overrides if not o.startswith(drop)]
+    return [("data.task=math_sum" if o == "data.task=custom" else o) for o in kept]
+
+
+def resolved_overrides(overrides: list[str]) -> list[str]:
+    """``overrides`` with ``model.kernels=auto`` (or no setting) replaced by what it resolves to on
+    this machine, so that predicting them again elsewhere gives the estimate of the run made here."""
+    from zerolab.kernels import use_liger
+
+    kept = [o for o in overrides if not o.startswith("model.kernels=")]
+    given = [o.split("=", 1)[1] for o in overrides if o.startswith("model.kernels=")]
+    kernels = given[-1] if given else "auto"
+    gpu = "scaling.use_gpu=true" in overrides
+    if kernels == "auto":
+        kernels = "liger" if use_liger("auto", use_gpu=gpu) else "none"
+    return [*kept, f"model.kernels={kernels}"]
+
+
+def predict_overrides(overrides: list[str], shape: str, calibration: Any = None) -> dict[str, float]:
+    """The estimate's figures for a run of ``shape`` configured by ``overrides`` (no paths needed)."""
+    from zerolab.config import load_config
+    from zerolab.memory import DEFAULT_CALIBRATION, GIB, KNOWN_CONFIGS, estimate, load_model_config
+
+    cfg = load_config(None, estimate_overrides(overrides))
+    shape_id = SHAPES[shape]
+    model_config = (dict(model_type="qwen2", dtype="bfloat16", **KNOWN_CONFIGS[shape_id]) if shape_id
+                    else load_model_config(load_config(None, [])))
+    est = estimate(cfg, model_config, calibration=calibration or DEFAULT_CALIBRATION)
+    gpu, workers = cfg.scaling.use_gpu, cfg.world_size()
+    # The run's mem/host_rss_peak_gib is read at its last logging step, before the final checkpoint
+    # is saved: compare with the workers' peak over the phases up to then.
+    rank0 = max(v for k, v in est.host_worker_phases.items() if k != "checkpoint save")
+    host = rank0 + (workers - 1) * est.host_worker_peak(rank0=False)
+    return {"pred_gpu_alloc_gib": est.device_peak / GIB if gpu else 0.0,
+            "pred_gpu_reserved_gib": est.device_reserved / GIB if gpu else 0.0,
+            "pred_host_workers_gib": host / GIB, "pred_node_total_gib": est.host_total(workers) / GIB,
+            "base_framework_gib": est.calibration.framework_device_bytes / GIB if gpu else 0.0,
+            "base_host_process_gib": (est.calibration.host_process_gpu_bytes if gpu else est.calibration.host_process_cpu_bytes) / GIB}
+
+
+def recompute(row: dict[str, str]) -> dict[str, str]:
+    """``row`` with its predictions and errors from the current Calibration (measurements kept)."""
+    if not row.get("overrides") or row.get("status") != "ok":
+        return row
+    out = dict(row)
+    out.update({k: round(v, 3) for k, v in predict_overrides(json.loads(row["overrides"]), row["shape"]).items()})
+    out.update(error_pct(out))
+    return out
+
+
+def error_pct(row: dict[str, Any]) -> dict[str, str]:
+    """Prediction errors in percent of the measurement: GPU allocated, GPU reserved, host."""
+    return {key: _err(row.get(pred), row.get(meas)) for key, pred, meas in (
+        ("err_gpu_alloc_pct", "pred_gpu_alloc_gib", "meas_gpu_alloc_gib"),
+        ("err_gpu_reserved_pct", "pred_gpu_reserved_gib", "meas_gpu_reserved_gib"),
+        ("err_host_pct", "pred_host_workers_gib", "meas_host_workers_gib"))}
+
+
+def run_case(case: Case, out: Path, models: Path | None = None) -> dict[str, Any]:
+    """Train ``case`` and return its CSV row (status ``failed: ...`` when the run fails)."""
+    from zerolab.cli import root_cause
+    from zerolab.config import load_config
+    from zerolab.run import run_sft
+
+    row: dict[str, Any] = {"case": case.name, "device": _device_name(case.gpu), "workers": case.workers, "shape": case.shape,
+                           "overrides": json.dumps(resolved_overrides(estimate_overrides(case.overrides("unused", out))))}
+    started = time.monotonic()
+    try:
+        path = model_path(case.shape, models)
+        cfg = load_config(None, case.overrides(path, out))
+        row.update({k: round(v, 3) for k, v in _predict(case, out).items()})
+        with NodeMemorySampler() as node:
+            result = run_sft(cfg, restart=True)
+        metrics = result.metrics
+        row["meas_gpu_alloc_gib"] = round(metrics.get("mem/gpu_peak_allocated_gib", 0.0), 3)
+        row["meas_gpu_reserved_gib"] = round(metrics.get("mem/gpu_peak_reserved_gib", 0.0), 3)
+        row["meas_host_workers_gib"] = round(metrics["mem/host_rss_peak_gib"], 3)
+        row["meas_node_used_gib"] = round(node.peak_gib, 3)
+        row["status"] = "ok"
+    except Exception as exc:  # a failed case (OOM, say) is a result too: record it and go on
+        row["status"] = f"failed: {root_cause(exc)[:200]}"
+    finally:
+        shutil.rmtree(out / "runs", ignore_errors=True)  # 7B checkpoints would fill the disk
+    row["seconds"] = round(time.monotonic() - started)
+    row.update(error_pct(row))
+    return row
+
+
+class NodeMemorySampler:
+    """Samples the node's used memory (total - available) every 0.2 s while a run lasts."""
+
+    def __init__(self) -> None:
+        self.peak_gib = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            vm = psutil.virtual_memory()
+            self.peak_gib = max(self.peak_gib, (vm.total - vm.available) / 1024**3)
+            self._stop.wait(0.2)
+
+    def __enter__(self) -> NodeMemorySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _device_name(gpu: bool) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if gpu and torch.cuda.is_available() else "cpu"
+
+
+def _err(pred: Any, meas: Any) -> str:
+    try:
+        pred, meas = float(pred), float(meas)
+    except (TypeError, ValueError):
+        return ""
+    return f"{100 * (pred - meas) / meas:+.1f}" if meas else ""
+
+
+def _read_rows_many(paths: list[Path]) -> list[dict[str, str]]:
+    return [row for path in paths for row in _read_rows(path)]
+
+
+def _read_rows(path: Path) -> list[dict[str, str]]:
+    if not path.is_file():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _append_row(path: Path, row: dict[str, Any]) -> None:
+    new = not path.is_file()
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        if new:
+            writer.writeheader()
+        writer.writerow({k: row.get(k, "") for k in COLUMNS})
+
+
+def fit_calibration(rows: list[dict[str, str]]) -> dict[str, float]:
+    """Fit the stack-dependent constants to the measured rows. ``framework_device_bytes`` moves
+    every GPU prediction by the same amount: its fit is the current value plus the median residual.
+    ``reserved_factor`` is the median measured reserved / allocated. On GPU the host baseline of a
+    worker and the share of the checkpoint resident while ZeRO 0-2 load it
+    (``host_process_gpu_bytes``, ``host_load_factor_gpu``) are fitted together by least squares
+    over the GPU rows at ZeRO 0-2 without offload, where a prediction is linear in both; on CPU the
+    baseline is the current value plus the median residual per worker."""
+    ok = [r for r in rows if r.get("status") == "ok"]
+    gpu = [r for r in ok if float(r["meas_gpu_alloc_gib"] or 0) > 0]
+    fitted: dict[str, float] = {}
+    if gpu:
+        fitted["framework_device_bytes"] = max(0.0, statistics.median(
+            float(r["meas_gpu_alloc_gib"]) - float(r["pred_gpu_alloc_gib"]) + float(r["base_framework_gib"]) for r in gpu)) * 1024**3
+        fitted["reserved_factor"] = statistics.median(float(r["meas_gpu_reserved_gib"]) / float(r["meas_gpu_alloc_gib"]) for r in gpu)
+        fitted.update(_fit_gpu_host([r for r in gpu if r.get("overrides")]))
+    cpu = [r for r in ok if r not in gpu]
+    if cpu:
+        fitted["host_process_cpu_bytes"] = statistics.median(
+            (float(r["meas_host_workers_gib"]) - float(r["pred_host_workers_gib"])) / int(r["workers"]) + float(r["base_host_process_gib"])
+            for r in cpu) * 1024**3
+    return fitted
+
+
+def _fit_gpu_host(rows: list[dict[str, str]]) -> dict[str, float]:
+    """Least squares for (baseline per worker, load factor) on ZeRO 0-2 rows without offload."""
+    import dataclasses
+
+    from zerolab.memory import DEFAULT_CALIBRATION, GIB
+
+    def overrides_of(r: dict[str, str]) -> list[str]:
+        return json.loads(r["overrides"])
+
+    fit_rows = [r for r in rows if "deepspeed.stage=3" not in overrides_of(r) and "deepspeed.offload_optimizer=true" not in overrides_of(r)]
+    if len({r["shape"] for r in fit_rows}) < 2:
+        return {}
+    cal = DEFAULT_CALIBRATION
+    # Each prediction is a + workers·Δbase + load·Δfactor; load = the change for a unit change of the factor.
+    unit = dataclasses.replace(cal, host_load_factor_gpu=cal.host_load_factor_gpu + 1.0)
+    xs, ys = [], []
+    for r in fit_rows:
+        pred = predict_overrides(overrides_of(r), r["shape"])["pred_host_workers_gib"]
+        load = predict_overrides(overrides_of(r), r["shape"], calibration=unit)["pred_host_workers_gib"] - pred
+        xs.append((float(r["workers"]), load))
+        ys.append(float(r["meas_host_workers_gib"]) - pred)
+    sww = sum(w * w for w, _ in xs)
+    swl = sum(w * ld for w, ld in xs)
+    sll = sum(ld * ld for _, ld in xs)
+    swy = sum(w * y for (w, _), y in zip(xs, ys))
+    sly = sum(ld * y for (_, ld), y in zip(xs, ys))
+    det = sww * sll - swl * swl
+    if abs(det) < 1e-12:
+        return {}
+    d_base, d_factor = (sll * swy - swl * sly) / det, (sww * sly - swl * swy) / det
+    return {"host_process_gpu_bytes": cal.host_process_gpu_bytes + d_base * GIB, "host_load_factor_gpu": cal.host_load_factor_gpu + d_factor}
+
+
+def report(rows: list[dict[str, str]]) -> str:
+    """The Markdown report: measured vs predicted per case, error summary, fitted constants."""
+    lines = [
+        "| case | device | GPU allocated pred / meas (err) | GPU reserved pred / meas (err) | host workers pred / meas (err) | node total pred / used | s | status |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        def cell(pred: str, meas: str, err: str) -> str:
+            return f"{pred} / {meas} ({err}%)" if err else "—"
+
+        lines.append(f"| {r['case']} | {r['device']} | {cell(r['pred_gpu_alloc_gib'], r['meas_gpu_alloc_gib'], r['err_gpu_alloc_pct'])} | "
+                     f"{cell(r['pred_gpu_reserved_gib'], r['meas_gpu_reserved_gib'], r['err_gpu_reserved_pct'])} | "
+                     f"{cell(r['pred_host_workers_gib'], r['meas_host_workers_gib'], r['err_host_pct'])} | "
+                     f"{r['pred_node_total_gib'] or '—'} / {r['meas_node_used_gib'] or '—'} | {r['seconds']} | {r['status']} |")
+    errors = {k: [abs(float(r[k])) for r in rows if r.get(k)] for k in ("err_gpu_alloc_pct", "err_gpu_reserved_pct", "err_host_pct")}
+    lines += ["", "All figures GiB. Worst absolute errors: " + ", ".join(
+        f"{k.removeprefix('err_').removesuffix('_pct')} {max(v):.1f}%" for k, v in errors.items() if v) + "."]
+    fitted = fit_calibration(rows)
+    if fitted:
+        args = ", ".join(f"{k}={v:.3f}" if "factor" in k else f"{k}={int(v / 2**20)} * MIB" for k, v in fitted.items())
+        lines += ["", "Constants fitted to these rows (paste into `zerolab.memory.Calibration` and rerun to see the errors after the fit):",
+                  "", f"    Calibration({args})"]
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["CASES", "Case", "error_pct", "resolved_overrides", "fit_calibration", "main", "predict_overrides", "random_init_model", "recompute", "report",
+           "run_case"]
+
+if __name__ == "__main__":
+    sys.exit(main())
+
