@@ -1,0 +1,348 @@
+"""The benchmark harness behind ``jobs/benchmark.py``: runs, measurement, the results table.
+
+Each run is a fresh process started from here, timed from its launch:
+
+- ``zerolab``: ``bench/zerolab_run.py`` → ``zerolab.run.run_sft`` (Ray Train + DeepSpeed), the
+  figures from the run's own last logging window (``perf/*``, ``mem/*``);
+- ``zerolab-torchrun``: zerolab's training step and engine under torchrun, without Ray;
+- ``seeds``: the seeds' Hugging Face Trainer recipe under torchrun, samples padded to the maximum;
+- ``plain``: a hand-written PyTorch + peft loop under torchrun, padded per micro-batch.
+
+Every run trains the same random-init model (a Qwen2.5 shape) with LoRA r=16 on all linear layers
+(alpha 32, no dropout), bf16, on the same data mix (``bench/workload.py``) for the same number of
+optimizer steps; throughput is non-padding tokens over the last ``window`` steps. zerolab runs also
+give a row of the memory calibration (estimate next to the measured peaks).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.metadata
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+SYSTEMS = ("zerolab", "zerolab-torchrun", "seeds", "plain")
+SHAPE_IDS = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B", "qwen2.5-7b": "Qwen/Qwen2.5-7B"}
+
+COLUMNS = ["run", "system", "shape", "gpus", "stage", "offload", "variant", "micro_batch", "checkpointing", "steps",
+           "tokens_per_s_per_gpu", "step_s", "mfu", "tokens_per_step", "gpu_peak_allocated_gib", "gpu_peak_reserved_gib",
+           "host_rss_peak_gib", "node_used_peak_gib", "time_to_first_step_s", "wall_s", "status", "device", "command"]
+
+
+@dataclass(frozen=True)
+class Run:
+    system: str
+    shape: str
+    gpus: int = 1
+    stage: int = 0
+    micro_batch: int = 1
+    steps: int = 20
+    window: int = 10
+    checkpointing: bool = False
+    attn: str = "varlen"
+    kernels: str = "auto"
+    offload: str = "none"
+    variant: str = ""
+    """Short label of what differs from the system's default settings."""
+    ds_settings: str = "tuned"
+    """ZeRO-3 bucket settings: ``tuned`` (zerolab's) or ``hf-defaults`` (Hugging Face's "auto" values)."""
+    timeout_s: int = 420
+    profile_steps: int = 0
+    """zerolab-torchrun: profile this many steps after the measured ones (printed to runs.log)."""
+
+    @property
+    def name(self) -> str:
+        parts = [self.system, self.shape, f"{self.gpus}gpu", f"z{self.stage}"]
+        if self.offload != "none":
+            parts.append(f"off{self.offload}")
+        if self.variant:
+            parts.append(self.variant)
+        return "-".join(parts)
+
+
+def _suite_single(shape: str, zero_mb: int, base_mb: int, plain_ckpt: bool, steps: int, timeout_s: int) -> list[Run]:
+    w, t = steps // 2, timeout_s
+    return [
+        Run("zerolab", shape, micro_batch=zero_mb, steps=steps, window=w, timeout_s=t),
+        Run("zerolab-torchrun", shape, micro_batch=zero_mb, steps=steps, window=w, timeout_s=t, profile_steps=3),
+        Run("seeds", shape, micro_batch=base_mb, steps=steps, window=w, checkpointing=True, attn="sdpa", kernels="none", timeout_s=t),
+        Run("plain", shape, micro_batch=base_mb, steps=steps, window=w, checkpointing=plain_ckpt, attn="sdpa", kernels="none",
+            timeout_s=t),
+        # What each optimisation brings: without Liger's kernels, then without the varlen kernel too.
+        Run("zerolab", shape, micro_batch=zero_mb, steps=steps, window=w, kernels="none", variant="nokernels", timeout_s=t),
+        Run("zerolab", shape, micro_batch=zero_mb, steps=steps, window=w, attn="sdpa", kernels="none", variant="sdpa-nokernels",
+            timeout_s=t),
+    ]
+
+
+def _suite_scaling(shape: str, mb: int, steps: int, gpus: int) -> list[Run]:
+    w = steps // 2
+    runs = [Run("zerolab", shape, gpus=1, stage=0, micro_batch=mb, steps=steps, window=w, timeout_s=240)]
+    for stage in (0, 2, 3):
+        runs.append(Run("zerolab", shape, gpus=gpus, stage=stage, micro_batch=mb, steps=steps, window=w, timeout_s=240))
+    runs.append(Run("zerolab", shape, gpus=gpus, stage=3, micro_batch=mb, steps=steps, window=w, ds_settings="hf-defaults",
+                    variant="hf-defaults", timeout_s=240))
+    return runs
+
+
+SUITES: dict[str, list[Run]] = {
+    # One GPU: zerolab against the baselines (0.5B and 7B shapes, packed 4k-token sequences).
+    "single-0.5b": _suite_single("qwen2.5-0.5b", zero_mb=4, base_mb=4, plain_ckpt=False, steps=20, timeout_s=180),
+    "single-7b": _suite_single("qwen2.5-7b", zero_mb=1, base_mb=4, plain_ckpt=True, steps=12, timeout_s=240),
+    # Both shapes on one GPU, most telling runs first (for a lease that may end before the rest).
+    "single": [],
+    # Scaling over the GPUs of one host, ZeRO 0/2/3 (and ZeRO-3 with Hugging Face's default buckets).
+    "scaling-7b": _suite_scaling("qwen2.5-7b", mb=1, steps=10, gpus=2),
+    "scaling-0.5b": _suite_scaling("qwen2.5-0.5b", mb=4, steps=20, gpus=2)[:-1],
+    # CPU smoke test of the harness itself (tiny model, no GPU): every system runs a few steps.
+    "cpu-smoke": [Run(s, "tiny", micro_batch=2, steps=4, window=2, checkpointing=s == "seeds", attn="sdpa", kernels="none",
+                      timeout_s=600) for s in SYSTEMS],
+}
+
+
+@dataclass
+class Workspace:
+    root: Path
+    data: Path = field(init=False)
+    models: dict[str, str] = field(default_factory=dict)
+
+    def prepare(self, shapes: set[str]) -> None:
+        from bench import workload
+        from bench.calibrate_memory import model_path
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.data = workload.data_mix(self.root / "data")
+        from zerolab.models import resolve_model_path
+
+        for shape in sorted(shapes):
+            self.models[shape] = resolve_model_path(model_path(shape, self.root / "models"))
+
+
+def zerolab_overrides(run: Run, ws: Workspace, *, for_torchrun: bool = False) -> list[str]:
+    """The job config of a zerolab run (the torchrun loop takes the same, minus Ray's and MLflow's)."""
+    from bench.workload import NUM_LONG, NUM_MATH, NUM_NER
+
+    o = [f"model.name_or_path={ws.models[run.shape]}", f"model.attn_implementation={run.attn}", f"model.kernels={run.kernels}",
+         f"model.gradient_checkpointing={str(run.checkpointing).lower()}",
+         "adapter.method=lora", "adapter.r=16", "adapter.alpha=32", "adapter.dropout=0.0",
+         "data.task=custom", f"data.train_path={ws.data}", f"data.num_train_rows={NUM_MATH + NUM_NER + NUM_LONG}",
+         "data.max_seq_length=4096", "data.packing=true",
+         f"train.micro_batch_size={run.micro_batch}", f"train.max_steps={run.steps}", f"train.log_every_n_steps={run.window}",
+         "train.lr=1e-4", "train.weight_decay=0.1",
+         f"deepspeed.stage={run.stage}", f"deepspeed.offload_optimizer={str(run.offload != 'none').lower()}",
+         f"deepspeed.offload_param={str(run.offload == 'all').lower()}",
+         f"scaling.use_gpu={str(run.shape != 'tiny').lower()}", f"scaling.num_workers={run.gpus}"]
+    if run.shape == "tiny":
+        o = [x for x in o if not x.startswith(("model.name_or_path", "data.max_seq_length"))]
+        o += ["data.max_seq_length=1024", "data.max_bad_fraction=0.2"]  # the smoke test skips the longest rows
+    if run.ds_settings == "hf-defaults":
+        o.append(f"deepspeed.config={hf_default_zero3(ws, run)}")
+    if not for_torchrun:
+        o += [f"run.name=bench-{run.name.replace('.', '_')}", f"run.storage_path={ws.root / 'runs'}",
+              f"tracking.uri=file://{ws.root / 'mlruns'}", "tracking.experiment=benchmark", "tracking.register=false"]
+    return o
+
+
+def hf_default_zero3(ws: Workspace, run: Run) -> Path:
+    """zerolab's zero3.json with the bucket values Hugging Face's integration derives for "auto"
+    (the settings of today's reference figures)."""
+    from transformers import AutoConfig
+
+    h = AutoConfig.from_pretrained(ws.models[run.shape]).hidden_size
+    raw = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
+    raw["zero_optimization"].update(reduce_bucket_size=h * h, stage3_prefetch_bucket_size=int(0.9 * h * h),
+                                    stage3_param_persistence_threshold=10 * h)
+    path = ws.root / "zero3_hf_defaults.json"
+    path.write_text(json.dumps(raw, indent=1))
+    return path
+
+
+def command(run: Run, ws: Workspace, result: Path) -> list[str]:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={run.gpus}"]
+    model = ws.models[run.shape]
+    common = ["--model", model, "--data", str(ws.data), "--out", str(result), "--steps", str(run.steps), "--window", str(run.window),
+              "--micro-batch", str(run.micro_batch), "--max-seq-length", "1024" if run.shape == "tiny" else "4096"]
+    if run.system == "zerolab":
+        return [sys.executable, str(REPO / "bench" / "zerolab_run.py"), "--out", str(result),
+                *[a for o in zerolab_overrides(run, ws) for a in ("--set", o)]]
+    if run.system == "zerolab-torchrun":
+        return [*torchrun, str(REPO / "bench" / "torchrun_loop.py"), "--mode", "zerolab", *common, "--profile-steps", str(run.profile_steps),
+                *[a for o in zerolab_overrides(run, ws, for_torchrun=True) for a in ("--set", o)]]
+    if run.system == "seeds":
+        return [*torchrun, str(REPO / "bench" / "seeds_recipe.py"), *common, "--stage", str(run.stage)]
+    return [*torchrun, str(REPO / "bench" / "torchrun_loop.py"), "--mode", "plain", *common,
+            *(["--gradient-checkpointing"] if run.checkpointing else [])]
+
+
+def execute(run: Run, ws: Workspace, log: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Run one benchmark run; returns its CSV row and, for zerolab runs, a memory-calibration row."""
+    from bench.calibrate_memory import NodeMemorySampler
+
+    result = ws.root / "results" / run.name
+    result.parent.mkdir(parents=True, exist_ok=True)
+    for stale in result.parent.glob(f"{run.name}*json"):
+        stale.unlink()
+    cmd = command(run, ws, result.with_suffix(".json") if run.system == "zerolab" else result)
+    row: dict[str, Any] = {"run": run.name, "system": run.system, "shape": run.shape, "gpus": run.gpus, "stage": run.stage,
+                           "offload": run.offload, "variant": run.variant, "micro_batch": run.micro_batch,
+                           "checkpointing": run.checkpointing, "steps": run.steps, "command": _shown(cmd, ws)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "platform"), os.environ.get("PYTHONPATH", "")])}
+    log.write(f"\n===== {run.name}\n$ {row['command']}\n")
+    log.flush()
+    launch = time.time()
+    with NodeMemorySampler() as node:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+        try:
+            code = proc.wait(timeout=run.timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = "timeout"
+    row["wall_s"] = round(time.time() - launch, 1)
+    row["node_used_peak_gib"] = round(node.peak_gib, 2)
+    if code != 0:
+        row["status"] = f"failed ({code})"
+        return row, None
+    metrics = _collect(run, result)
+    row.update({k: (round(v, 4) if isinstance(v, float) else v) for k, v in metrics.items() if k in COLUMNS})
+    row["time_to_first_step_s"] = round(metrics["first_step_unix"] - launch, 1) if metrics.get("first_step_unix") else ""
+    row["status"] = "ok"
+    calibration = _calibration_row(run, ws, metrics, node.peak_gib) if run.system == "zerolab" and run.ds_settings == "tuned" else None
+    return row, calibration
+
+
+def _collect(run: Run, result: Path) -> dict[str, Any]:
+    from zerolab import perf
+
+    if run.system == "zerolab":
+        m = json.loads(result.with_suffix(".json").read_text())["metrics"]
+        return {"tokens_per_s_per_gpu": m["perf/tokens_per_s"] / run.gpus, "step_s": m["perf/step_s"], "mfu": m.get("perf/mfu", 0.0),
+                "tokens_per_step": m["perf/tokens_per_s"] * m["perf/step_s"],
+                "gpu_peak_allocated_gib": m.get("mem/gpu_peak_allocated_gib", 0.0),
+                "gpu_peak_reserved_gib": m.get("mem/gpu_peak_reserved_gib", 0.0), "host_rss_peak_gib": m["mem/host_rss_peak_gib"],
+                "first_step_unix": m.get("perf/first_step_unix", 0.0), "device": _gpu_name()}
+    ranks = [json.loads(p.read_text()) for p in sorted(result.parent.glob(f"{result.name}.rank*.json"))]
+    tokens_per_s = sum(r["tokens_per_s"] for r in ranks)
+    first = ranks[0]
+    peak = perf.peak_flops_of(first["device"])
+    flops = perf.train_flops_per_token(first["total_params"], first["trainable_params"], full=False)
+    return {"tokens_per_s_per_gpu": tokens_per_s / len(ranks), "step_s": max(r["step_s"] for r in ranks),
+            "mfu": tokens_per_s / len(ranks) * flops / peak if peak else 0.0,
+            "tokens_per_step": sum(r["tokens_per_step"] for r in ranks),
+            "gpu_peak_allocated_gib": max(r.get("gpu_peak_allocated_gib", 0.0) for r in ranks),
+            "gpu_peak_reserved_gib": max(r.get("gpu_peak_reserved_gib", 0.0) for r in ranks),
+            "host_rss_peak_gib": sum(r["host_rss_peak_gib"] for r in ranks), "first_step_unix": first["first_step_unix"],
+            "device": first["device"]}
+
+
+def _calibration_row(run: Run, ws: Workspace, metrics: dict[str, Any], node_peak_gib: float) -> dict[str, Any]:
+    from bench.calibrate_memory import error_pct, predict_overrides, resolved_overrides
+
+    overrides = resolved_overrides([o for o in zerolab_overrides(run, ws) if not o.startswith(("run.", "tracking."))])
+    row: dict[str, Any] = {"case": f"bench-{run.name}", "device": metrics["device"], "status": "ok", "workers": run.gpus,
+                           "shape": run.shape, "overrides": json.dumps(overrides)}
+    row.update({k: round(v, 3) for k, v in predict_overrides(overrides, run.shape).items()})
+    row.update(meas_gpu_alloc_gib=round(metrics["gpu_peak_allocated_gib"], 3), meas_gpu_reserved_gib=round(metrics["gpu_peak_reserved_gib"], 3),
+               meas_host_workers_gib=round(metrics["host_rss_peak_gib"], 3), meas_node_used_gib=round(node_peak_gib, 3))
+    row.update(error_pct(row))
+    return row
+
+
+def ratios(rows: list[dict[str, Any]]) -> None:
+    """Add ``vs_seeds`` and ``vs_plain``: tokens/s per GPU over the same shape's single-GPU baseline."""
+    base = {(r["shape"], r["system"]): float(r["tokens_per_s_per_gpu"]) for r in rows
+            if r.get("status") == "ok" and r["system"] in ("seeds", "plain") and int(r["gpus"]) == 1}
+    for r in rows:
+        for name in ("seeds", "plain"):
+            b = base.get((r["shape"], name))
+            ok = r.get("status") == "ok" and b
+            r[f"vs_{name}"] = f"{float(r['tokens_per_s_per_gpu']) / b:.2f}" if ok else ""
+
+
+def environment() -> dict[str, Any]:
+    """Machine and versions, for the report."""
+    env: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count(), "host": platform.node()}
+    for package in ("torch", "transformers", "peft", "deepspeed", "ray", "mlflow-skinny", "mlflow", "liger-kernel", "triton", "accelerate"):
+        try:
+            env[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout.strip().splitlines()
+        env["gpus"] = smi
+    except (OSError, subprocess.SubprocessError):
+        env["gpus"] = []
+    try:
+        import torch
+
+        env["cuda"] = torch.version.cuda
+    except ImportError:
+        pass
+    return env
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]], columns: list[str]) -> None:
+    new = not path.is_file()
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+
+
+def read_csv(paths: list[Path]) -> list[dict[str, str]]:
+    rows: list[dict[str, str]] = []
+    for path in paths:
+        with open(path, newline="") as f:
+            rows.extend(csv.DictReader(f))
+    return rows
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The results as a Markdown table, with ratios to the seeds' recipe and the plain loop."""
+    ratios(rows)
+    head = ["run", "tokens/s/GPU", "step s", "MFU", "tokens/step", "GPU alloc / reserved GiB", "host RSS GiB",
+            "first step s", "vs seeds", "vs plain", "status"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    def num(r: dict[str, Any], key: str, fmt: str) -> str:
+        v = r.get(key)
+        return format(float(v), fmt) if r.get("status") == "ok" and v not in (None, "") else "—"
+
+    for r in rows:
+        ok = r.get("status") == "ok"
+        mfu = f"{100 * float(r['mfu']):.1f}%" if ok and r.get("mfu") not in (None, "", "0.0", 0.0) else "—"
+        lines.append("| " + " | ".join([
+            r["run"], num(r, "tokens_per_s_per_gpu", ",.0f"), num(r, "step_s", ".3f"), mfu, num(r, "tokens_per_step", ",.0f"),
+            f"{num(r, 'gpu_peak_allocated_gib', '.1f')} / {num(r, 'gpu_peak_reserved_gib', '.1f')}", num(r, "host_rss_peak_gib", ".1f"),
+            num(r, "time_to_first_step_s", ".1f"), (r.get("vs_seeds") or "—") + ("×" if r.get("vs_seeds") else ""),
+            (r.get("vs_plain") or "—") + ("×" if r.get("vs_plain") else ""), r.get("status", "")]) + " |")
+    return "\n".join(lines)
+
+
+def _shown(cmd: list[str], ws: Workspace) -> str:
+    text = " ".join(cmd).replace(sys.executable, "python").replace(str(REPO) + "/", "").replace(str(ws.root), "$WORK")
+    return text
+
+
+def _gpu_name() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True,
+                              timeout=30, check=True).stdout.splitlines()[0].strip()
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "cpu"
+
+
+_big, _small = SUITES["single-7b"], SUITES["single-0.5b"]
+SUITES["single"] = [*_big[:4], _small[0], _small[2], _small[3], _small[1], *_big[4:], *_small[4:]]
+
+__all__ = ["COLUMNS", "Run", "SUITES", "Workspace", "asdict", "environment", "execute", "markdown_table", "read_csv", "write_csv"]

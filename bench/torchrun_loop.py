@@ -1,0 +1,186 @@
+"""Two training loops launched with torchrun, the baselines of ``jobs/benchmark.py``.
+
+``--mode plain``: what a user writes by hand with PyTorch and peft — the model in bf16, peft's
+LoRA (adapters in fp32, as peft makes them), SDPA attention, torch AdamW with its defaults,
+micro-batches of ``--micro-batch`` samples padded to their longest (dynamic padding), optional
+gradient checkpointing, DDP over several GPUs.
+
+``--mode zerolab``: zerolab's own training step without Ray: the same model building (kernels,
+adapter), optimizer, scheduler, DeepSpeed engine and packed micro-batches as
+``zerolab.train.train_loop_per_worker``, driven by torchrun instead of Ray Train. The difference
+to a zerolab run is what Ray, Ray Data and the tracking add.
+
+    torchrun --nproc_per_node 1 bench/torchrun_loop.py --mode plain --model M --data D --out R ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
+
+from bench.measure import StepMeter, model_counts, write_rank_result  # noqa: E402
+from bench.workload import tokenized_rows  # noqa: E402
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=["plain", "zerolab"], required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--data", required=True, type=Path)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--window", type=int, default=10)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--max-seq-length", type=int, default=4096)
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--set", action="append", default=[], help="zerolab mode: config overrides, as for jobs/sft.py")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="zerolab mode: after the measured steps, profile this many more and print where the GPU time goes")
+    args = p.parse_args(argv)
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    rows = tokenized_rows(args.data, args.model)
+    rows = [r for r in rows if len(r[0]) <= args.max_seq_length][rank::world]
+    meter = StepMeter(device)
+    if args.mode == "plain":
+        total, trainable = plain_loop(args, rows, device, world, meter)
+        result = meter.result(args.window)
+    else:
+        total, trainable, result = zerolab_loop(args, rows, device, world, meter)
+    result.update(total_params=total, trainable_params=trainable, world=world, device=_device_name(device))
+    write_rank_result(args.out, result)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+def plain_loop(args: argparse.Namespace, rows: list, device: torch.device, world: int, meter: StepMeter) -> tuple[int, int]:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    if world > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    torch.manual_seed(42)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+                                                 attn_implementation="sdpa").to(device)
+    model.config.use_cache = False
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM"))
+    total, trainable = model_counts(model)
+    optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-4)
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    model.train()
+    order = np.random.default_rng(42).permutation(len(rows))
+    pad = 0
+    for step in range(args.steps):
+        take = [rows[i] for i in order[(step * args.micro_batch) % len(rows):][: args.micro_batch]]
+        width = max(len(ids) for ids, _ in take)
+        input_ids = torch.full((len(take), width), pad, dtype=torch.long)
+        labels = torch.full((len(take), width), -100, dtype=torch.long)
+        mask = torch.zeros((len(take), width), dtype=torch.long)
+        for r, (ids, lab) in enumerate(take):
+            input_ids[r, : len(ids)], labels[r, : len(lab)], mask[r, : len(ids)] = torch.from_numpy(ids), torch.from_numpy(lab), 1
+        out = model(input_ids=input_ids.to(device), attention_mask=mask.to(device), labels=labels.to(device))
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_([q for q in model.parameters() if q.requires_grad], 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        meter.step_done(int(mask.sum()))
+    return total, trainable
+
+
+def zerolab_loop(args: argparse.Namespace, rows: list, device: torch.device, world: int,
+                 meter: StepMeter) -> tuple[int, int, dict]:
+    import deepspeed
+    from transformers import AutoConfig
+
+    from zerolab import ds_config
+    from zerolab.config import load_config
+    from zerolab.data import MicroBatches
+    from zerolab.models import load_tokenizer
+    from zerolab.train import _build_model, _build_optimizer, _build_scheduler, _seed_everything
+
+    cfg = load_config(None, [*args.set, f"model.name_or_path={args.model}", f"scaling.num_workers={world}",
+                             f"train.max_steps={args.steps}"])
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    _seed_everything(cfg.train.seed + dist.get_rank())
+    resolved = ds_config.resolve(cfg, AutoConfig.from_pretrained(args.model).hidden_size)
+    batches = MicroBatches(rows, micro_batch_size=cfg.train.micro_batch_size, max_seq_length=cfg.data.max_seq_length,
+                           packing=cfg.data.packing, pad_id=load_tokenizer(cfg.model).pad_token_id, seed=cfg.train.seed)
+    model = _build_model(cfg, resolved, args.steps)
+    total, trainable = model_counts(model)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_build_optimizer(model, cfg), config=resolved,
+                                           lr_scheduler=lambda o: _build_scheduler(o, cfg, args.steps), dist_init_required=False)
+    stream = batches.iterate()
+    engine.train()
+
+    def step() -> int:
+        micro = [next(stream) for _ in range(cfg.train.grad_accum_steps)]
+        n_targets = torch.tensor(float(sum(b.num_targets for b in micro)), device=device)
+        dist.all_reduce(n_targets)
+        for b in micro:
+            out = engine(**{k: v.to(device, non_blocking=True) for k, v in b.inputs.items()}, num_items_in_batch=n_targets / world)
+            engine.backward(out.loss, scale_wrt_gas=False)
+            engine.step()
+        return sum(b.num_tokens for b in micro)
+
+    for _ in range(args.steps):
+        meter.step_done(step())
+    result = meter.result(args.window)
+    if args.profile_steps and dist.get_rank() == 0:
+        _profile(step, args.profile_steps)
+    elif args.profile_steps:
+        for _ in range(args.profile_steps):
+            step()
+    return total, trainable, result
+
+
+def _profile(step, n: int) -> None:
+    """Print the GPU time of ``n`` steps by kernel (the 30 largest) and by kind of kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]  # kernels, not the operators launching them
+    total = sum(e.self_device_time_total for e in events) or 1.0
+    kinds = {"attention": ("flash", "fmha", "attention"), "matmul (gemm)": ("gemm", "cutlass", "nvjet", "sm90", "cublas", "splitk"),
+             "nccl": ("nccl",), "copies/casts": ("copy", "cast", "convert"), "elementwise/reduce": ("elementwise", "reduce", "vectorized"),
+             "liger/triton": ("_kernel", "triton")}
+    by_kind: dict[str, float] = {}
+    for e in events:
+        kind = next((k for k, keys in kinds.items() if any(w in e.key.lower() for w in keys)), "other")
+        by_kind[kind] = by_kind.get(kind, 0.0) + e.self_device_time_total
+    print(f"PROFILE {n} steps, GPU time {total / 1e3 / n:.1f} ms/step by kind:")
+    for kind, t in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"PROFILE   {kind:22s} {100 * t / total:5.1f}%  {t / 1e3 / n:8.1f} ms/step")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:30]:
+        print(f"PROFILE   {100 * e.self_device_time_total / total:5.1f}%  {e.count // n:5d}/step  {e.key[:110]}")
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""One zerolab SFT run as ``jobs/sft.py`` makes it (``zerolab.run.run_sft``), its metrics written as JSON.
+
+    python bench/zerolab_run.py --out result.json --set model.name_or_path=... --set data.packing=true ...
+
+The benchmark starts each run in a fresh process, so that its time to the first step counts what
+a user waits for: Python imports, Ray's start, data preparation with Ray Data, the workers' start,
+model load and ``deepspeed.initialize``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--set", action="append", default=[])
+    args = parser.parse_args(argv)
+
+    from zerolab.config import load_config
+    from zerolab.run import run_sft
+
+    result = run_sft(load_config(None, args.set), restart=True)  # a fresh run, never a resumed one
+    args.out.write_text(json.dumps({"metrics": result.metrics, "data": result.data}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Benchmark zerolab against the seeds' recipe and a plain PyTorch + peft loop on this machine's GPUs.
+
+    python jobs/benchmark.py --suite single-0.5b --suite single-7b --out results/h100
+    python jobs/benchmark.py --suite scaling-7b --out results/h200x2 --max-minutes 9
+    python jobs/benchmark.py --suite cpu-smoke --out /tmp/bench           # the harness itself, on CPU
+    python jobs/benchmark.py --report results/*/benchmark.csv --out docs  # one table from several machines
+
+In one invocation, on the same GPUs, data, model shape, adapter, precision and step count, it runs
+zerolab's SFT job (Ray Train + DeepSpeed), zerolab's training step under bare torchrun, the seeds'
+Hugging Face Trainer recipe (torchrun, samples padded to the maximum length) and a plain PyTorch +
+peft loop, then prints and writes ``benchmark.csv`` / ``benchmark.md`` (tokens/s per GPU, step time,
+MFU, peak GPU and host memory, time to first step, ratios to the baselines) with ``environment.json``
+(machine and versions), ``checks.json`` (the kernels' correctness on this GPU) and
+``bench_calibration.csv`` (the memory estimate next to each zerolab run's measured peaks). Not a Ray
+job: it starts every system itself, each in a fresh process (bench/harness.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench import harness
+    from bench.calibrate_memory import COLUMNS as CALIBRATION_COLUMNS
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suite", action="append", choices=sorted(harness.SUITES), default=[], help="runs to make (repeatable)")
+    parser.add_argument("--only", action="append", default=[], help="only runs whose name contains this (repeatable)")
+    parser.add_argument("--out", type=Path, required=True, help="folder for the results")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/zerolab-bench"), help="models, data and run folders")
+    parser.add_argument("--max-minutes", type=float, help="start no run after this many minutes")
+    parser.add_argument("--skip-checks", action="store_true", help="do not run bench/gpu_checks.py first")
+    parser.add_argument("--report", type=Path, nargs="+", metavar="CSV", help="no runs: merge these result files into <out>/benchmark.md")
+    args = parser.parse_args(argv)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.report:
+        (args.out / "benchmark.md").write_text(harness.markdown_table(harness.read_csv(args.report)) + "\n")
+        return 0
+    start = time.monotonic()
+    runs = [r for s in args.suite for r in harness.SUITES[s] if not args.only or any(o in r.name for o in args.only)]
+    ws = harness.Workspace(args.work)
+    ws.prepare({r.shape for r in runs})
+    (args.out / "environment.json").write_text(json.dumps(harness.environment(), indent=1))
+    log = open(args.out / "runs.log", "a")  # noqa: SIM115 (every run appends to it)
+    gpu_shapes = sorted({r.shape for r in runs} - {"tiny"})
+    if gpu_shapes and not args.skip_checks:
+        subprocess.run([sys.executable, str(harness.REPO / "bench" / "gpu_checks.py"), "--model", ws.models[gpu_shapes[0]],
+                        "--data", str(ws.data), "--out", str(args.out / "checks.json")], stdout=log, stderr=subprocess.STDOUT)
+    rows = []
+    for run in runs:
+        if args.max_minutes and time.monotonic() - start > 60 * args.max_minutes:
+            print(f"--max-minutes {args.max_minutes:g} reached; not started: {run.name}", flush=True)
+            continue
+        row, calibration = harness.execute(run, ws, log)
+        rows.append(row)
+        harness.write_csv(args.out / "benchmark.csv", [row], harness.COLUMNS)
+        if calibration:
+            harness.write_csv(args.out / "bench_calibration.csv", [calibration], CALIBRATION_COLUMNS)
+        print(f"{run.name}: {row['status']} {row.get('tokens_per_s_per_gpu', '')} tok/s/GPU, first step "
+              f"{row.get('time_to_first_step_s', '')} s, GPU {row.get('gpu_peak_allocated_gib', '')} GiB, {row['wall_s']} s", flush=True)
+    table = harness.markdown_table(rows)
+    (args.out / "benchmark.md").write_text(table + "\n")
+    print(table)
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
