@@ -478,10 +478,14 @@ def _rows(grid: Any, sweep: Sweep) -> list[TrialRow]:
             status, note = "FINISHED", ""
         objective = metrics.get(sweep.metric) if status in ("FINISHED", "STOPPED") else None
         rows.append(TrialRow(trial_id, f"{sweep.name}-{trial_id}", params, status, objective, metrics, note))
+    return _ranked(rows, sweep)
+
+
+def _ranked(rows: list[TrialRow], sweep: Sweep) -> list[TrialRow]:
+    """Finished trials first, best objective first; then stopped, failed and skipped ones."""
     sign = -1 if sweep.mode == "max" else 1
     order = {"FINISHED": 0, "STOPPED": 1, "ERROR": 2, "SKIPPED": 3}
-    rows.sort(key=lambda r: (order[r.status], sign * r.objective if r.objective is not None else math.inf, r.trial_id))
-    return rows
+    return sorted(rows, key=lambda r: (order[r.status], sign * r.objective if r.objective is not None else math.inf, r.trial_id))
 
 
 def _finish_children(uri: str, experiment: str, rows: list[TrialRow]) -> None:
@@ -542,10 +546,19 @@ def write_results(rows: list[TrialRow], sweep: Sweep, uri: str, experiment: str,
         runs = compare.collect(uri, experiment, parent_id)
     except compare.CompareError:
         runs = []
+    # The figures the comparison chart shows, from each run's whole MLflow history: throughput as the
+    # median after warm-up, memory as the peak, utilisation as the mean (Tune keeps the last window).
     by_name = {r.name: r for r in runs}
+    summarised = {metric: column for column, (metric, _) in compare.METRICS.items()}
     for row in rows:
-        if row.run_name in by_name:
-            row.metrics.update({k: by_name[row.run_name].values.get(k) for k in compare.UTILISATION})
+        run = by_name.get(row.run_name)
+        if run is None:
+            continue
+        row.metrics.update({k: run.values.get(k) for k in compare.UTILISATION})
+        row.metrics.update({m: run.values[c] for m, c in summarised.items() if run.values.get(c) is not None})
+        if row.objective is not None and sweep.metric in summarised and run.values.get(summarised[sweep.metric]) is not None:
+            row.objective = run.values[summarised[sweep.metric]]
+    rows[:] = _ranked(rows, sweep)
     header, cells = results_table(rows, sweep)
     paths = {"csv": out / "results.csv", "md": out / "results.md"}
     with paths["csv"].open("w", newline="") as f:
