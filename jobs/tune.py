@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     from zerolab.cli import INTERRUPTED, USER_ERROR, user_errors
     from zerolab.config import apply_overrides, load_config, load_yaml
 
+    sweep = None
     try:
         base = apply_overrides(load_yaml(args.config) if args.config else {}, args.set)
         cfg = load_config(args.config, args.set)
@@ -50,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nerror: {exc}", file=sys.stderr)
         return USER_ERROR
     except KeyboardInterrupt:
-        print(f"\ninterrupted; resume with: python jobs/tune.py --resume {sweep.name}", file=sys.stderr)
+        resume = f"python jobs/tune.py --resume {sweep.name}" if sweep else "the same command"
+        print(f"\ninterrupted; resume with: {resume}", file=sys.stderr)
         return INTERRUPTED
     failed = [r for r in rows if r.status == "ERROR"]
     print(f"\n{len(rows)} trials: " + ", ".join(f"{n} {s.lower()}" for s in ("FINISHED", "STOPPED", "SKIPPED", "ERROR")
