@@ -60,7 +60,11 @@ def test_ray_job_submit_ships_zerolab(tmp_path, tiny_model_path):
     env = {**os.environ, "PATH": f"{python.parent}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
     env.pop("RAY_ADDRESS", None)
     ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths have a length limit
-    ports = {"--port": free_port(), "--dashboard-port": free_port(), "--ray-client-server-port": free_port()}
+    # Every fixed default port its own: another Ray instance on this machine (the tests' session
+    # cluster) holds the defaults, and a job agent that cannot bind 52365 takes no jobs.
+    ports = {"--port": free_port(), "--dashboard-port": free_port(), "--ray-client-server-port": free_port(),
+             "--dashboard-agent-listen-port": free_port(), "--dashboard-agent-grpc-port": free_port(),
+             "--metrics-export-port": free_port(), "--runtime-env-agent-port": free_port()}
     head = subprocess.Popen(
         [str(python), "-m", "ray.scripts.scripts", "start", "--head", "--block", "--num-cpus=2", "--include-dashboard=true",
          f"--temp-dir={ray_tmp}",  # its own session files: nothing left behind for other drivers to find
@@ -78,7 +82,7 @@ def test_ray_job_submit_ships_zerolab(tmp_path, tiny_model_path):
             time.sleep(2)
         else:
             pytest.fail(f"the Ray head did not come up: {ok.stderr[-2000:]}")
-        for _ in range(30):  # the job API answers before the node's agent can take jobs
+        for _ in range(15):  # the job API answers before the node's agent can take jobs
             submit = subprocess.run(
                 [str(python), "-m", "ray.scripts.scripts", "job", "submit", "--address", address, "--working-dir", str(work),
                  "--", "python", "jobs/sft.py", "--config", "small.yaml"],

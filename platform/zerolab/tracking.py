@@ -90,7 +90,7 @@ def open_run(uri: str, experiment: str, run_name: str, tags: dict[str, str] | No
     exp = client.get_experiment_by_name(experiment)
     # The kind makes MLflow's UI open the experiment in its model-training view (runs, charts).
     experiment_id = exp.experiment_id if exp is not None else client.create_experiment(
-        experiment, tags={"mlflow.experimentKind": "custom_model_development"})
+        experiment, artifact_location=_artifact_location(uri), tags={"mlflow.experimentKind": "custom_model_development"})
     found = [] if new else client.search_runs(
         [experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'", max_results=1, order_by=["attributes.start_time DESC"]
     )
@@ -100,6 +100,15 @@ def open_run(uri: str, experiment: str, run_name: str, tags: dict[str, str] | No
         return run_id, True
     run = client.create_run(experiment_id, run_name=run_name, tags={RUN_NAME_TAG: run_name, **(tags or {})})
     return run.info.run_id, False
+
+
+def _artifact_location(uri: str) -> str | None:
+    """For a SQLite store, artifacts beside the database (``<db folder>/mlartifacts/<run id>/``);
+    MLflow's default, ``./mlruns`` of the working directory, vanishes with a ``ray job submit``
+    job's temporary working dir. Servers and other stores choose their own."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
 
 
 def close_run(uri: str, run_id: str, status: str) -> None:
