@@ -489,7 +489,8 @@ def _ranked(rows: list[TrialRow], sweep: Sweep) -> list[TrialRow]:
 
 
 def _finish_children(uri: str, experiment: str, rows: list[TrialRow]) -> None:
-    """Give each trial's MLflow run the status Tune saw. Tune ends a trial by stopping its actor, at
+    """Give each trial's MLflow run the status Tune saw (and a row whose run finished, that status).
+    Tune ends a trial by stopping its actor, at
     ASHA's decision or right after the last report when the trial reached ``max_t``, so the run may
     still say RUNNING or FAILED; a trial that finished training gets its adapter logged from the
     checkpoint it reported if the actor stopped before doing so."""
@@ -501,6 +502,9 @@ def _finish_children(uri: str, experiment: str, rows: list[TrialRow]) -> None:
     for row in rows:
         runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`{tracking.RUN_NAME_TAG}` = '{row.run_name}'",
                                   max_results=1)
+        if runs and row.status == "STOPPED" and runs[0].info.status == "FINISHED":
+            # Finished, but the sweep was killed before Tune saved the trial's last result.
+            row.status, row.note = "FINISHED", ""
         if not runs or row.status not in wanted or runs[0].info.status == wanted[row.status]:
             continue
         run_id = runs[0].info.run_id
@@ -603,7 +607,8 @@ def load_definition(path: str) -> tuple[dict[str, Any], Sweep]:
 def _sweep_dict(sweep: Sweep) -> dict[str, Any]:
     return {"name": sweep.name, "metric": sweep.metric, "mode": sweep.mode, "search": sweep.search, "num_samples": sweep.num_samples,
             "scheduler": sweep.scheduler, "grace_period": sweep.grace_period, "reduction_factor": sweep.reduction_factor,
-            "batch": sweep.batch, "set": sweep.overrides, "space": {d.key: {d.kind: list(d.values)} for d in sweep.space}}
+            "batch": sweep.batch, "set": sweep.overrides, "space": {d.key: {d.kind: list(d.values)} for d in sweep.space},
+            "seed": sweep.seed, **({"max_concurrent_trials": sweep.max_concurrent_trials} if sweep.max_concurrent_trials else {})}
 
 
 def _log_yaml(uri: str, run_id: str, name: str, data: dict[str, Any]) -> None:
