@@ -29,12 +29,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
 
-    from zerolab.cli import run_and_report
+    from zerolab.cli import run_job
     from zerolab.config import load_config
     from zerolab.run import run_sft
 
-    return run_and_report(lambda: run_sft(load_config(args.config, args.set), config_file=args.config, restart=args.restart,
-                                          force=args.force))
+    code, message = run_job(lambda: run_sft(load_config(args.config, args.set), config_file=args.config,
+                                            restart=args.restart, force=args.force))
+    print(message, file=sys.stdout if code == 0 else sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -54,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         resume = f"python jobs/tune.py --resume {sweep.name}" if sweep else "the same command"
         print(f"\ninterrupted; resume with: {resume}", file=sys.stderr)
         return INTERRUPTED
+    from zerolab.compare import text_table
+
+    print("\n" + text_table(*tune.results_table(rows, sweep)))
+    print(f"\nwritten to {tune.results_dir(sweep, args.out)}/: results.csv, results.md and the chart runs.png")
     failed = [r for r in rows if r.status == "ERROR"]
     print(f"\n{len(rows)} trials: " + ", ".join(f"{n} {s.lower()}" for s in ("FINISHED", "STOPPED", "SKIPPED", "ERROR")
                                               if (n := sum(r.status == s for r in rows))))

@@ -185,7 +185,8 @@ def test_killed_sweep_resumes_without_repeating_finished_trials(tmp_path, tiny_m
     resumed = subprocess.run([sys.executable, str(REPO / "jobs" / "tune.py"), "--config", str(config), "--resume", "resumable",
                               "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert f"[{done[0]}] step" not in resumed.stdout  # the finished trial did not run again
+    assert f"[{done[0]}] step" not in resumed.stderr  # the finished trial did not run again (progress is logged)
+    assert "] step" in resumed.stderr  # ... while the others did
     assert "3 trials: 3 finished" in resumed.stdout, resumed.stdout[-3000:]
     uri = yaml.safe_load(config.read_text())["tracking"]["uri"]
     parent, children = child_runs(uri, "resumable")

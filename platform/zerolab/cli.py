@@ -1,8 +1,8 @@
-"""What the jobs share: turn a run's outcome into a summary or a clear error and an exit code."""
+"""What the jobs share: turn a run's outcome into a summary or a clear error and an exit code
+(the jobs print it)."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -24,8 +24,9 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return ConfigError, DataError, ModelLoadError, EnvironmentProblem, CheckpointError, MemoryPreflightError
 
 
-def run_and_report(job: Callable[[], Any]) -> int:
-    """Run ``job``; print its summary, or the error without a traceback, and return the exit code."""
+def run_job(job: Callable[[], Any]) -> tuple[int, str]:
+    """Run ``job``; return the exit code and what the job prints: its summary, or the error as
+    one message without a traceback."""
     from ray.train import TrainingFailedError
 
     from zerolab.run import Interrupted
@@ -33,19 +34,14 @@ def run_and_report(job: Callable[[], Any]) -> int:
     try:
         result = job()
     except user_errors() as exc:
-        print(f"\nerror: {exc}", file=sys.stderr)
-        return USER_ERROR
+        return USER_ERROR, f"\nerror: {exc}"
     except Interrupted as exc:
-        print(f"\ninterrupted: {exc}", file=sys.stderr)
-        return INTERRUPTED
+        return INTERRUPTED, f"\ninterrupted: {exc}"
     except KeyboardInterrupt:
-        print("\naborted without a checkpoint; a relaunch resumes from the last saved one", file=sys.stderr)
-        return INTERRUPTED
+        return INTERRUPTED, "\naborted without a checkpoint; a relaunch resumes from the last saved one"
     except TrainingFailedError as exc:
-        print(f"\ntraining failed: {root_cause(exc)}", file=sys.stderr)
-        return TRAINING_FAILED
-    print(summary(result))
-    return 0
+        return TRAINING_FAILED, f"\ntraining failed: {root_cause(exc)}"
+    return 0, summary(result)
 
 
 def root_cause(exc: BaseException) -> str:

@@ -116,9 +116,11 @@ def _find_parent(client: Any, experiment_id: str, parent: str) -> str:
                               order_by=["attributes.start_time DESC"])
     if runs:
         return runs[0].info.run_id
+    from mlflow.exceptions import MlflowException
+
     try:
         return client.get_run(parent).info.run_id
-    except Exception:
+    except MlflowException:
         raise CompareError(f"no parent run named or with id {parent!r} in this experiment") from None
 
 

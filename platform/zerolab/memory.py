@@ -339,15 +339,17 @@ class Limits:
         tasks that reserve none); :meth:`detect` where NVML is missing."""
         try:
             import pynvml
-
-            pynvml.nvmlInit()
-            try:
-                gpus = pynvml.nvmlDeviceGetCount()
-                mem = [pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total for i in range(gpus)]
-            finally:
-                pynvml.nvmlShutdown()
-        except Exception:  # no NVML library or no driver: a machine without NVIDIA GPUs
+        except ImportError:
             return cls.detect()
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError:  # no NVIDIA driver here: a machine without NVIDIA GPUs
+            return cls.detect()
+        try:
+            gpus = pynvml.nvmlDeviceGetCount()
+            mem = [pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total for i in range(gpus)]
+        finally:
+            pynvml.nvmlShutdown()
         return cls(gpu_mem_bytes=min(mem) if mem else None, gpus_per_node=gpus or None, host_mem_bytes=_host_memory_bytes(),
                    source="detected on this node")
 

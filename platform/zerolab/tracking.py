@@ -201,20 +201,16 @@ def system_metrics(uri: str, run_id: str, interval_s: float, node: str) -> Itera
     """Sample this node's CPU, memory, disk, network and (through NVML) GPU use into the run as
     ``system/<node>/...`` every ``interval_s`` seconds, continuing the run's earlier samples after a
     relaunch. Started by one worker per node, so the nodes that train are the ones measured (the
-    driver often sits on a machine without GPUs). A failure to sample never stops training."""
+    driver often sits on a machine without GPUs)."""
     if interval_s <= 0:
         yield
         return
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-    try:
-        monitor = SystemMetricsMonitor(run_id, sampling_interval=interval_s, resume_logging=True, node_id=node,
-                                       tracking_uri=uri)
-        monitor.start()
-    except Exception as exc:  # psutil/NVML quirks must not cost a training run
-        logger.warning("system metrics are off on %s: %s", node, exc)
-        yield
-        return
+    # MLflow's monitor copes with what a node lacks (no NVML: no GPU metrics; a thread that cannot
+    # start: a warning), so sampling never costs the training run.
+    monitor = SystemMetricsMonitor(run_id, sampling_interval=interval_s, resume_logging=True, node_id=node, tracking_uri=uri)
+    monitor.start()
     try:
         yield
     finally:

@@ -380,7 +380,7 @@ def run_sweep(base: dict[str, Any], sweep: Sweep, *, resume: bool = False, out_d
         grid = tuner.fit()
         rows = _rows(grid, sweep)
         _finish_children(uri, base_cfg.tracking.experiment, rows)
-        write_results(rows, sweep, uri, base_cfg.tracking.experiment, parent_id, Path(out_dir or Path("sweeps") / sweep.name))
+        write_results(rows, sweep, uri, base_cfg.tracking.experiment, parent_id, results_dir(sweep, out_dir))
         best = next((r for r in rows if r.status == "FINISHED" and r.objective is not None), None)
         if best is not None:
             _log_yaml(uri, parent_id, "best_config.yaml", trial_config(base, sweep, best.params, best.run_name).to_dict())
@@ -400,7 +400,8 @@ def run_sweep(base: dict[str, Any], sweep: Sweep, *, resume: bool = False, out_d
 def _announce_skips(base: dict[str, Any], sweep: Sweep, points: list[dict[str, Any]]) -> None:
     """Before the sweep: which grid points the memory estimator says will not fit."""
     from zerolab import memory
-    from zerolab.run import cluster_limits
+    from zerolab.models import ModelLoadError
+    from zerolab.run import EnvironmentProblem, cluster_limits
 
     limits = None
     for point in points:
@@ -410,9 +411,9 @@ def _announce_skips(base: dict[str, Any], sweep: Sweep, points: list[dict[str, A
             memory.preflight(cfg, memory.load_model_config(cfg), limits)
         except memory.MemoryPreflightError as exc:
             label = ", ".join(f"{k}={v}" for k, v in point.items())
-            print(f"  will skip {{{label}}}: {str(exc).splitlines()[0]}", flush=True)
-        except Exception:  # an estimate that cannot be made does not decide anything
-            continue
+            logger.warning("will skip {%s}: %s", label, str(exc).splitlines()[0])
+        except (memory.MemoryEstimateError, ModelLoadError, ConfigError, EnvironmentProblem):
+            continue  # an estimate that cannot be made here decides nothing; the trial reports it
 
 
 def _searcher(sweep: Sweep) -> Any:
@@ -433,7 +434,7 @@ def _scheduler(sweep: Sweep, cfg: SFTConfig) -> Any:
 
 
 class OneLinePerTrial(Callback):
-    """One line per trial result, completion and error instead of Tune's status tables."""
+    """One log line per trial result, completion and error instead of Tune's status tables."""
 
     def __init__(self, sweep: Sweep) -> None:
         self.sweep = sweep
@@ -443,17 +444,17 @@ class OneLinePerTrial(Callback):
             return
         value = result.get(self.sweep.metric)
         shown = f"{value:.4g}" if isinstance(value, (int, float)) else "-"
-        print(f"[{trial.trial_id}] step {result.get('step', '?')}  {self.sweep.metric}={shown}  {_label(trial.config)}", flush=True)
+        logger.info("[%s] step %s  %s=%s  %s", trial.trial_id, result.get("step", "?"), self.sweep.metric, shown, _label(trial.config))
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         result = trial.last_result or {}
         if result.get(SKIPPED):
-            print(f"[{trial.trial_id}] skipped: {result.get('reason')}  {_label(trial.config)}", flush=True)
+            logger.info("[%s] skipped: %s  %s", trial.trial_id, result.get("reason"), _label(trial.config))
         else:
-            print(f"[{trial.trial_id}] done  {_label(trial.config)}", flush=True)
+            logger.info("[%s] done  %s", trial.trial_id, _label(trial.config))
 
     def on_trial_error(self, iteration, trials, trial, **info):
-        print(f"[{trial.trial_id}] FAILED  {_label(trial.config)} (the sweep goes on)", flush=True)
+        logger.warning("[%s] FAILED  %s (the sweep goes on)", trial.trial_id, _label(trial.config))
 
 
 def _label(config: dict[str, Any]) -> str:
@@ -540,7 +541,7 @@ def results_table(rows: list[TrialRow], sweep: Sweep) -> tuple[list[str], list[l
 
 def write_results(rows: list[TrialRow], sweep: Sweep, uri: str, experiment: str, parent_id: str, out: Path) -> dict[str, Path]:
     """``results.csv``/``results.md`` (ranked) and the comparison chart of the trials' runs, in
-    ``out`` and as parent-run artifacts; prints the table."""
+    ``out`` and as parent-run artifacts; returns their paths."""
     import csv
 
     from zerolab import compare
@@ -574,8 +575,6 @@ def write_results(rows: list[TrialRow], sweep: Sweep, uri: str, experiment: str,
         paths["png"] = out / "runs.png"
     for path in paths.values():
         tracking.log_artifact(uri, parent_id, path, "results")
-    print("\n" + compare.text_table(header, cells), flush=True)
-    print(f"\nwritten {', '.join(str(p) for p in paths.values())}", flush=True)
     return paths
 
 
@@ -602,6 +601,11 @@ def load_definition(path: str) -> tuple[dict[str, Any], Sweep]:
     base = saved["base"]
     keys = set(SFTConfig.from_dict(base).flat())
     return base, parse_sweep(saved["sweep"], keys)
+
+
+def results_dir(sweep: Sweep, out_dir: str | Path | None = None) -> Path:
+    """Where a sweep's results table and chart go: ``out_dir``, else ``sweeps/<name>``."""
+    return Path(out_dir) if out_dir else Path("sweeps") / sweep.name
 
 
 def _sweep_dict(sweep: Sweep) -> dict[str, Any]:
