@@ -33,6 +33,22 @@ def tiny_overrides(tmp_path: Path, **extra: object) -> list[str]:
     return [f"{k}={v}" for k, v in values.items()]
 
 
+def rows_of(lengths, seed=0):
+    """Tokenized rows (ids, labels) of the given lengths, the first half of each masked as prompt."""
+    import numpy as np
+
+    from zerolab.data import IGNORE_INDEX
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in lengths:
+        ids = rng.integers(5, 1000, size=n)
+        labels = ids.copy()
+        labels[: n // 2] = IGNORE_INDEX
+        out.append((ids, labels))
+    return out
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray instance for the whole session (starting Ray costs seconds each time)."""

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 
+from conftest import rows_of
 from zerolab.config import ModelSpec, load_config
 from zerolab.data import IGNORE_INDEX, DataError, MicroBatches, RowError, parse_file, prepare_split, row_to_messages, tokenize_messages
 from zerolab.models import load_model, load_tokenizer
@@ -93,17 +93,6 @@ def test_multi_turn_trains_every_assistant_turn(tokenizer):
     ids, labels = tokenize_messages(tokenizer, messages)
     assert tokenizer.decode([t for t in labels if t != IGNORE_INDEX]) == "one<|im_end|>two<|im_end|>"
     assert tokenizer.decode(ids) == tokenizer.apply_chat_template(messages, tokenize=False)
-
-
-def rows_of(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for n in lengths:
-        ids = rng.integers(5, 1000, size=n)
-        labels = ids.copy()
-        labels[: n // 2] = IGNORE_INDEX
-        out.append((ids, labels))
-    return out
 
 
 def test_batches_are_padded_to_their_own_longest_row():

@@ -12,26 +12,15 @@ from __future__ import annotations
 import sys
 import types
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import rows_of
 from zerolab import kernels
 from zerolab.config import ModelSpec
-from zerolab.data import IGNORE_INDEX, MicroBatches
+from zerolab.data import MicroBatches
 from zerolab.models import load_model
-
-
-def rows_of(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for n in lengths:
-        ids = rng.integers(5, 1000, size=n)
-        labels = ids.copy()
-        labels[: n // 2] = IGNORE_INDEX
-        out.append((ids, labels))
-    return out
 
 
 def reference_varlen(q, k, v, cu, max_len, scale):

@@ -73,13 +73,14 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
 
     uri = tracking.tracking_uri(cfg.tracking.uri)
     warn_if_node_local(uri)
-    tags = {**run_tags(cfg), **({"mlflow.parentRunId": parent_run_id} if parent_run_id else {})}
+    commit = tracking.git_commit()
+    tags = {**run_tags(cfg, commit), **({"mlflow.parentRunId": parent_run_id} if parent_run_id else {})}
     run_id, resumed = tracking.open_run(uri, cfg.tracking.experiment, cfg.run.name, tags=tags, new=restart)
     logger.info("MLflow run %s (%s) in experiment '%s' at %s", run_id, "resumed" if resumed else "new", cfg.tracking.experiment,
                 tracking.mask_text(uri))
     status = "FAILED"
     try:
-        tracking.log_params(uri, run_id, tracking.mask_params({**cfg.flat(), **derived_params(cfg, reports), **memory.params()}))
+        tracking.log_params(uri, run_id, tracking.mask_params({**cfg.flat(), **derived_params(cfg, reports, commit), **memory.params()}))
         tracking.MetricsLogger(uri, run_id).log(memory.predicted(), step=0)
         _log_inputs(uri, run_id, cfg, resolved_ds, reports, config_file)
         stop = StopSignal()
@@ -432,10 +433,9 @@ def prepare_data(cfg: SFTConfig, model_path: str) -> tuple[dict[str, Any], dict[
     return datasets, reports
 
 
-def run_tags(cfg: SFTConfig) -> dict[str, str]:
+def run_tags(cfg: SFTConfig, commit: str | None) -> dict[str, str]:
     tags = {"task": cfg.data.task, "model": tracking.mask_text(cfg.model.name_or_path), "method": cfg.adapter.method,
             "stage": str(cfg.deepspeed.stage)}
-    commit = tracking.git_commit()
     if commit:
         tags["mlflow.source.git.commit"] = commit.removesuffix("-dirty")
     return tags
@@ -447,14 +447,14 @@ def _final_metric_tags(metrics: dict[str, Any]) -> dict[str, str]:
     return {k: f"{metrics[k]:.6g}" for k in keys if isinstance(metrics.get(k), (int, float))}
 
 
-def derived_params(cfg: SFTConfig, reports: dict[str, SplitReport]) -> dict[str, Any]:
+def derived_params(cfg: SFTConfig, reports: dict[str, SplitReport], commit: str | None) -> dict[str, Any]:
     params: dict[str, Any] = {
         "derived.world_size": cfg.world_size(),
         "derived.global_batch_size": cfg.global_batch_size(),
         "derived.precision": cfg.precision(),
         "derived.deepspeed_config": str(ds_config.config_path(cfg)),
         "versions.python": _platform.python_version(),
-        "derived.git_commit": tracking.git_commit() or "unknown",
+        "derived.git_commit": commit or "unknown",
     }
     # Read from package metadata: importing DeepSpeed on the driver would probe accelerators.
     for package in ("zerolab", "torch", "ray", "deepspeed", "transformers", "peft", "mlflow"):
