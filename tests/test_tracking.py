@@ -63,7 +63,7 @@ def test_metrics_logger_never_logs_a_step_twice(tmp_path):
     second = tracking.MetricsLogger(uri, run_id)  # a fresh rank 0 after a restart
     second.log({"train/loss": 1.9}, step=2)
     second.log({"train/loss": 1.5}, step=4)
-    history = tracking._client(uri).get_metric_history(run_id, "train/loss")
+    history = tracking.mlflow_client(uri).get_metric_history(run_id, "train/loss")
     assert sorted((m.step, m.value) for m in history) == [(2, 2.0), (4, 1.5)]
 
 
@@ -92,7 +92,7 @@ def test_registered_adapter_loads_with_peft(store, tmp_path, tiny_model_path):
     version = tracking.register_model(store, run_id, "adapter", name, "candidate", tags={"train/loss": "1.23"})
     assert tracking.register_model(store, run_id, "adapter", name, "candidate") == version  # a relaunch: same version
 
-    client = tracking._client(store)
+    client = tracking.mlflow_client(store)
     mv = client.get_model_version_by_alias(name, "candidate")
     assert str(mv.version) == version and mv.run_id == run_id and mv.tags["train/loss"] == "1.23"
     assert client.get_run(mv.run_id).info.run_name == f"job-{tmp_path.name}"  # the run's record, one hop away
@@ -115,7 +115,7 @@ def _log_run(client, experiment_id, name, params, history, parent=None):
 
 
 def test_compare_table_chart_and_sweep_children(store, tmp_path):
-    client = tracking._client(store)
+    client = tracking.mlflow_client(store)
     exp_id = client.create_experiment(f"cmp-{tmp_path.name}")
     common = {"adapter.method": "lora", "deepspeed.stage": 2, "data.train.fingerprint": "x", "train.lr": 3e-4}
     _log_run(client, exp_id, "lone", {**common, "adapter.r": 8}, {"train/loss": [(2, 3.0), (4, 2.0)]})

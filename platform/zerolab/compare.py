@@ -72,7 +72,7 @@ UTILISATION = {"cpu_util_pct": re.compile(r"system/.+/cpu_utilization_percentage
 def collect(uri: str, experiment: str, parent: str | None = None) -> list[RunRow]:
     """The runs of ``experiment`` (the children of ``parent``, a run id or run name, when given),
     oldest first."""
-    client = tracking._client(uri)
+    client = tracking.mlflow_client(uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         known = ", ".join(sorted(e.name for e in client.search_experiments())) or "none"
@@ -142,12 +142,13 @@ def table(rows: list[RunRow]) -> tuple[list[str], list[list[str]]]:
     """Header and formatted cells: run, status, params, metrics."""
     params, metrics = columns(rows)
     header = ["run", "status", *params, *metrics]
-    cells = [[r.name, r.status, *(r.params.get(p, "") for p in params), *(_fmt(r.values.get(m)) for m in metrics)]
+    cells = [[r.name, r.status, *(r.params.get(p, "") for p in params), *(format_value(r.values.get(m)) for m in metrics)]
              for r in rows]
     return header, cells
 
 
-def _fmt(value: float | None) -> str:
+def format_value(value: float | None) -> str:
+    """A table cell: empty for a missing value, thousands separators from 100 up, else 4 significant digits."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return ""
     if abs(value) >= 100:

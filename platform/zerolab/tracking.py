@@ -77,7 +77,7 @@ def git_commit(folder: str | Path | None = None) -> str | None:
         return None
 
 
-def _client(uri: str) -> Any:
+def mlflow_client(uri: str) -> Any:
     from mlflow import MlflowClient
 
     return MlflowClient(tracking_uri=uri)
@@ -86,7 +86,7 @@ def _client(uri: str) -> Any:
 def open_run(uri: str, experiment: str, run_name: str, tags: dict[str, str] | None = None, *, new: bool = False) -> tuple[str, bool]:
     """Find the newest run named ``run_name`` in ``experiment`` (unless ``new``) or create one;
     returns (run_id, resumed)."""
-    client = _client(uri)
+    client = mlflow_client(uri)
     exp = client.get_experiment_by_name(experiment)
     # The kind makes MLflow's UI open the experiment in its model-training view (runs, charts).
     experiment_id = exp.experiment_id if exp is not None else client.create_experiment(
@@ -112,14 +112,14 @@ def _artifact_location(uri: str) -> str | None:
 
 
 def close_run(uri: str, run_id: str, status: str) -> None:
-    _client(uri).set_terminated(run_id, status=status)
+    mlflow_client(uri).set_terminated(run_id, status=status)
 
 
 def log_params(uri: str, run_id: str, params: dict[str, Any]) -> None:
     """Log params, skipping keys already logged with the same value (MLflow params are immutable)."""
     from mlflow.entities import Param
 
-    client = _client(uri)
+    client = mlflow_client(uri)
     existing = client.get_run(run_id).data.params
     fresh = []
     for key, value in params.items():
@@ -136,7 +136,7 @@ def log_params(uri: str, run_id: str, params: dict[str, Any]) -> None:
 
 
 def log_artifact(uri: str, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
-    client = _client(uri)
+    client = mlflow_client(uri)
     if Path(path).is_dir():
         client.log_artifacts(run_id, str(path), artifact_path)
     else:
@@ -147,7 +147,7 @@ class MetricsLogger:
     """Rank 0's metric writer. A (key, step) already in the run, from an earlier attempt, is skipped."""
 
     def __init__(self, uri: str, run_id: str) -> None:
-        self._client = _client(uri)
+        self._client = mlflow_client(uri)
         self._run_id = run_id
         self._last_step: dict[str, int] = {}
 
@@ -179,7 +179,7 @@ def register_model(uri: str, run_id: str, artifact_path: str, name: str, alias: 
     """
     from mlflow.exceptions import MlflowException
 
-    client = _client(uri)
+    client = mlflow_client(uri)
     try:
         client.create_registered_model(name, description="Adapters and models trained by zerolab jobs.")
     except MlflowException as exc:

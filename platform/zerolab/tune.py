@@ -497,7 +497,7 @@ def _finish_children(uri: str, experiment: str, rows: list[TrialRow]) -> None:
     checkpoint it reported if the actor stopped before doing so."""
     from ray.train import Checkpoint
 
-    client = tracking._client(uri)
+    client = tracking.mlflow_client(uri)
     exp = client.get_experiment_by_name(experiment)
     wanted = {"FINISHED": "FINISHED", "STOPPED": "KILLED", "ERROR": "FAILED"}
     for row in rows:
@@ -526,7 +526,7 @@ RESULT_COLUMNS = (("tokens_per_s", "perf/tokens_per_s"), ("gpu_peak_gib", "mem/g
 def results_table(rows: list[TrialRow], sweep: Sweep) -> tuple[list[str], list[list[str]]]:
     """Ranked: rank, trial, each space key, objective, tokens/s, peak GPU/host memory, losses, wall
     time (the columns some trial has), status."""
-    from zerolab.compare import _fmt
+    from zerolab.compare import format_value
 
     keys = [d.key for d in sweep.space]
     extra = [(c, m) for c, m in RESULT_COLUMNS if m != sweep.metric and any(r.metrics.get(m) is not None for r in rows)]
@@ -534,8 +534,8 @@ def results_table(rows: list[TrialRow], sweep: Sweep) -> tuple[list[str], list[l
     cells = []
     for i, r in enumerate(rows, 1):
         status = r.status + (f": {r.note}" if r.note else "")
-        cells.append([str(i), r.trial_id, *(str(r.params.get(k, "")) for k in keys), _fmt(r.objective),
-                      *(_fmt(r.metrics.get(m)) for _, m in extra), status])
+        cells.append([str(i), r.trial_id, *(str(r.params.get(k, "")) for k in keys), format_value(r.objective),
+                      *(format_value(r.metrics.get(m)) for _, m in extra), status])
     return header, cells
 
 
