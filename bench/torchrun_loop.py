@@ -117,7 +117,7 @@ def zerolab_loop(args: argparse.Namespace, rows: list, device: torch.device, wor
     from zerolab.config import load_config
     from zerolab.data import MicroBatches
     from zerolab.models import load_tokenizer
-    from zerolab.train import _build_model, _build_optimizer, _build_scheduler, _seed_everything
+    from zerolab.train import _build_model, _build_optimizer, _build_scheduler, _seed_everything, optimizer_step
 
     cfg = load_config(None, [*args.set, f"model.name_or_path={args.model}", f"scaling.num_workers={world}",
                              f"train.max_steps={args.steps}"])
@@ -135,12 +135,7 @@ def zerolab_loop(args: argparse.Namespace, rows: list, device: torch.device, wor
 
     def step() -> int:
         micro = [next(stream) for _ in range(cfg.train.grad_accum_steps)]
-        n_targets = torch.tensor(float(sum(b.num_targets for b in micro)), device=device)
-        dist.all_reduce(n_targets)
-        for b in micro:
-            out = engine(**{k: v.to(device, non_blocking=True) for k, v in b.inputs.items()}, num_items_in_batch=n_targets / world)
-            engine.backward(out.loss, scale_wrt_gas=False)
-            engine.step()
+        optimizer_step(engine, micro, device)
         return sum(b.num_tokens for b in micro)
 
     for _ in range(args.steps):

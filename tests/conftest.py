@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 from pathlib import Path
 
@@ -31,6 +32,12 @@ def tiny_overrides(tmp_path: Path, **extra: object) -> list[str]:
     }
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def rows_of(lengths, seed=0):
@@ -73,16 +80,13 @@ def tiny_model_path() -> str:
 def mlflow_server(tmp_path_factory):
     """A real `mlflow server` on a free loopback port with its own SQLite store and proxied
     artifacts (as a team server runs); yields its http:// URI."""
-    import socket
     import subprocess
     import sys
     import time
     import urllib.request
 
     root = tmp_path_factory.mktemp("mlflow-server")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = (root / "server.log").open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_overrides
+from conftest import free_port, tiny_overrides
 from zerolab.checkpoints import RunFolder, verify_checkpoint
 from zerolab.config import load_config
 from zerolab.run import connect_ray, run_sft, storage_path
@@ -25,12 +24,6 @@ from zerolab.run import connect_ray, run_sft, storage_path
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 STEPS, CHECKPOINT_EVERY = 16, 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -58,7 +51,7 @@ def cluster(monkeypatch):
     # instances' processes. Short: Ray's socket paths have a length limit.
     ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")
     monkeypatch.setenv("RAY_TMPDIR", ray_tmp)
-    gcs_port = _free_port()
+    gcs_port = free_port()
     monkeypatch.setenv("RAY_ADDRESS", f"{get_node_ip_address()}:{gcs_port}")
     # Failures and reported checkpoints are noticed at this interval (default 2 s).
     monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
@@ -66,7 +59,7 @@ def cluster(monkeypatch):
     try:
         # The dashboard (on 127.0.0.1, as infra/ runs it) serves the state API.
         simulated.add_node(num_cpus=1, gcs_server_port=gcs_port, include_dashboard=True, dashboard_host="127.0.0.1",
-                           dashboard_port=_free_port())
+                           dashboard_port=free_port())
         for _ in range(2):
             simulated.add_node(num_cpus=1)
         simulated.wait_for_nodes()

@@ -114,18 +114,9 @@ def train_loop_per_worker(config: dict) -> None:
         engine.train()
         for step in range(start_step, total_steps):
             micro: list[Batch] = [next(stream) for _ in range(cfg.train.grad_accum_steps)]
-            n_targets = torch.tensor(float(sum(b.num_targets for b in micro)), device=device)
-            dist.all_reduce(n_targets)
-            grad_norm = None
-            for b in micro:
-                inputs = {k: v.to(device, non_blocking=True) for k, v in b.inputs.items()}
-                out = engine(**inputs, num_items_in_batch=n_targets / world)
-                engine.backward(out.loss, scale_wrt_gas=False)
-                if engine.is_gradient_accumulation_boundary() and cfg.deepspeed.stage == 0 and (step + 1) % log_every == 0:
-                    grad_norm = _grad_norm(engine)
-                engine.step()
-                window[0] += out.loss.detach().double()
-                window[1] += b.num_tokens
+            loss, grad_norm = optimizer_step(engine, micro, device, want_grad_norm=(step + 1) % log_every == 0)
+            window[0] += loss
+            window[1] += sum(b.num_tokens for b in micro)
             window_steps += 1
 
             done = step + 1
@@ -259,10 +250,35 @@ def _build_scheduler(optimizer: torch.optim.Optimizer, cfg: SFTConfig, total_ste
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def _grad_norm(engine: Any) -> torch.Tensor:
-    """Global gradient norm for ZeRO-0, where DeepSpeed does not keep one (gradients are all-reduced)."""
-    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])) if grads else torch.zeros(())
+def optimizer_step(engine: Any, micro: list[Batch], device: torch.device, want_grad_norm: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One optimizer step over the step's micro-batches; returns the summed loss of the
+    micro-batches and, under ZeRO-0 when asked, the global gradient norm (other stages keep
+    their own, ``engine.get_global_grad_norm()``).
+
+    Each micro-batch's summed token loss is divided by the step's global target count over the
+    world size (``num_items_in_batch``), so the gradients accumulate to the token mean of the
+    whole step once DeepSpeed averages them over ranks; DeepSpeed must not divide again by the
+    accumulation steps (``scale_wrt_gas=False``).
+    """
+    n_targets = torch.tensor(float(sum(b.num_targets for b in micro)), device=device)
+    dist.all_reduce(n_targets)
+    world = dist.get_world_size()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    grad_norm = None
+    for b in micro:
+        inputs = {k: v.to(device, non_blocking=True) for k, v in b.inputs.items()}
+        out = engine(**inputs, num_items_in_batch=n_targets / world)
+        # DeepSpeed (0.19) hooks every tensor the model returns to divide its gradient by the
+        # accumulation steps unless engine.backward() marked the graph first; the model's own
+        # loss tensor is hooked before that mark, so without a copy ZeRO-0's gradients came out
+        # divided by grad_accum_steps. Backward from a copy runs the mark first.
+        engine.backward(out.loss.clone(), scale_wrt_gas=False)
+        if want_grad_norm and engine.zero_optimization_stage() == 0 and engine.is_gradient_accumulation_boundary():
+            grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+            grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])) if grads else torch.zeros(())
+        engine.step()
+        total += out.loss.detach().double()
+    return total, grad_norm
 
 
 def evaluate_loss(engine: Any, cfg: SFTConfig, device: torch.device) -> float:

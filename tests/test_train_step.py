@@ -1,0 +1,81 @@
+"""One optimizer step of zerolab's loop on a real 2-rank DeepSpeed engine (gloo, CPU): the gradient it
+applies is the token mean over every micro-batch of both ranks, whatever the ZeRO stage, and the
+ZeRO-0 gradient norm it reports is that gradient's norm."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from conftest import free_port
+
+pytestmark = pytest.mark.slow
+
+ACCUM = 2
+
+
+def micro_batches(rank: int) -> list:
+    from zerolab.data import IGNORE_INDEX, Batch
+
+    g = torch.Generator().manual_seed(100 + rank)
+    out = []
+    for i in range(ACCUM):
+        ids = torch.randint(5, 1000, (2, 6 + 3 * i), generator=g)
+        labels = ids.clone()
+        labels[:, : 2 + i] = IGNORE_INDEX  # uneven prompt lengths: per-batch means would be wrong
+        out.append(Batch({"input_ids": ids, "labels": labels}, num_tokens=ids.numel(), num_targets=int((labels[:, 1:] != IGNORE_INDEX).sum())))
+    return out
+
+
+def reference_gradient() -> tuple[dict[str, torch.Tensor], float]:
+    """Plain PyTorch: sum of token losses over all four micro-batches / all their targets."""
+    from zerolab.config import ModelSpec
+    from zerolab.models import load_model
+
+    torch.manual_seed(0)
+    model = load_model(ModelSpec(), torch.float32)
+    batches = micro_batches(0) + micro_batches(1)
+    n = float(sum(b.num_targets for b in batches))
+    for b in batches:
+        model(**b.inputs, num_items_in_batch=torch.tensor(n)).loss.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    return grads, torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()])).item()
+
+
+def worker(rank: int, stage: int, port: int, results: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                      DS_ACCELERATOR="cpu")
+    import deepspeed
+
+    from zerolab.config import ModelSpec
+    from zerolab.models import load_model
+    from zerolab.train import optimizer_step
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = load_model(ModelSpec(), torch.float32)
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ACCUM, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
+    # SGD with lr 1 and no momentum: the update is exactly the applied gradient.
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), config=config)
+    _, norm = optimizer_step(engine, micro_batches(rank), torch.device("cpu"), want_grad_norm=True)
+    if rank == 0:
+        results["applied"] = {k: before[k] - p.detach() for k, p in engine.module.named_parameters()}
+        results["norm"] = None if norm is None else float(norm)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_accumulated_step_applies_the_token_mean_gradient(stage):
+    expected, expected_norm = reference_gradient()
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(worker, args=(stage, free_port(), results), nprocs=2)
+        applied, norm = results["applied"], results["norm"]
+    for key, grad in expected.items():
+        torch.testing.assert_close(applied[key], grad, rtol=1e-4, atol=1e-6, msg=key)
+    if stage == 0:
+        assert norm == pytest.approx(expected_norm, rel=1e-4)
