@@ -1,18 +1,17 @@
-"""One optimizer step of zerolab's loop on a real 2-rank DeepSpeed engine (gloo, CPU): the gradient it
-applies is the token mean over every micro-batch of both ranks, whatever the ZeRO stage, and the
-ZeRO-0 gradient norm it reports is that gradient's norm."""
+"""The worker's training step: one optimizer step of zerolab's loop on a real 2-rank DeepSpeed engine
+(gloo, CPU) applies the token mean gradient over every micro-batch of both ranks, whatever the ZeRO
+stage, and reports that gradient's norm under ZeRO-0; leftovers of interrupted op builds are cleared."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from conftest import free_port
-
-pytestmark = pytest.mark.slow
 
 ACCUM = 2
 
@@ -68,6 +67,7 @@ def worker(rank: int, stage: int, port: int, results: dict) -> None:
         results["norm"] = None if norm is None else float(norm)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 2])
 def test_accumulated_step_applies_the_token_mean_gradient(stage):
     expected, expected_norm = reference_gradient()
@@ -79,3 +79,17 @@ def test_accumulated_step_applies_the_token_mean_gradient(stage):
         torch.testing.assert_close(applied[key], grad, rtol=1e-4, atol=1e-6, msg=key)
     if stage == 0:
         assert norm == pytest.approx(expected_norm, rel=1e-4)
+
+
+def test_stale_build_locks_are_removed_and_live_ones_kept(tmp_path, monkeypatch):
+    from zerolab.train import STALE_BUILD_LOCK_S, clear_stale_build_locks
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    stale, live = tmp_path / "cpu_adam" / "lock", tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock"
+    for lock in (stale, live):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    old = time.time() - STALE_BUILD_LOCK_S - 60
+    os.utime(stale, (old, old))
+    assert clear_stale_build_locks() == [stale]
+    assert not stale.exists() and live.exists()

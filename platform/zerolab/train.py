@@ -56,6 +56,7 @@ def train_loop_per_worker(config: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     _seed_everything(cfg.train.seed + rank)
     device = ray.train.torch.get_device() if cfg.scaling.use_gpu else torch.device("cpu")
+    clear_stale_build_locks()
     deepspeed.init_distributed(dist_backend="nccl" if cfg.scaling.use_gpu else "gloo")
 
     batches = MicroBatches(
@@ -431,6 +432,30 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+STALE_BUILD_LOCK_S = 600
+"""Older than any build of a DeepSpeed op (about a minute on two cores)."""
+
+
+def clear_stale_build_locks(max_age_s: float = STALE_BUILD_LOCK_S) -> list[Path]:
+    """Remove the lock files that killed just-in-time builds of DeepSpeed ops left behind.
+
+    torch builds an op (CPU Adam for optimizer offload, the CPU accelerator's shared-memory
+    collectives) under ``<extensions dir>/<op>/lock`` and every later process waits, silently and
+    forever, while that file exists: a worker killed mid-build would hang every run that needs the
+    op. A lock older than any build is taken for such a leftover."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    removed = []
+    for lock in [*root.glob("*/lock"), *root.glob("*/*/lock")]:
+        with contextlib.suppress(FileNotFoundError):  # another worker of this node was first
+            if time.time() - lock.stat().st_mtime > max_age_s:
+                lock.unlink()
+                logger.warning("removed %s, left by an interrupted build of a DeepSpeed op (it would wait forever)", lock)
+                removed.append(lock)
+    return removed
 
 
 def _setup_worker_logging() -> None:
