@@ -129,12 +129,12 @@ def test_killed_driver_relaunch_resumes_with_each_step_logged_once(tmp_path, tin
 
 @pytest.mark.slow
 def test_ctrl_c_checkpoints_marks_killed_and_relaunch_finishes(tmp_path, tiny_model_path):
-    cmd = sft_command(tmp_path, **{"run.name": "interrupted", "train.max_steps": 400, "train.checkpoint_every_n_steps": 1000})
+    cmd = sft_command(tmp_path, **{"run.name": "interrupted", "train.max_steps": 120, "train.checkpoint_every_n_steps": 1000})
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if "step 10/400" in line:
+        if "step 10/120" in line:
             proc.send_signal(signal.SIGINT)
             break
     rest, _ = proc.communicate(timeout=300)
@@ -147,15 +147,15 @@ def test_ctrl_c_checkpoints_marks_killed_and_relaunch_finishes(tmp_path, tiny_mo
     (run,) = runs_named(uri, "tests", "interrupted")
     assert run.info.status == "KILLED"
     stopped_at = int(latest_checkpoint(tmp_path / "runs" / "interrupted").rsplit("_", 1)[1])
-    assert 10 <= stopped_at < 400
+    assert 10 <= stopped_at < 120
 
-    relaunch = subprocess.run(sft_command(tmp_path, **{"run.name": "interrupted", "train.max_steps": 400,
+    relaunch = subprocess.run(sft_command(tmp_path, **{"run.name": "interrupted", "train.max_steps": 120,
                                                        "train.checkpoint_every_n_steps": 1000}),
                               capture_output=True, text=True, timeout=900)
     assert relaunch.returncode == 0, relaunch.stderr[-3000:]
     (run,) = runs_named(uri, "tests", "interrupted")
     assert run.info.status == "FINISHED"
-    assert metric_steps(uri, run.info.run_id, "train/loss") == list(range(5, 401, 5))
+    assert metric_steps(uri, run.info.run_id, "train/loss") == list(range(5, 121, 5))
     assert metric_steps(uri, run.info.run_id, "train/resumed_from_step") == [stopped_at]
 
 

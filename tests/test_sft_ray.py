@@ -89,35 +89,19 @@ def check_run(tmp_path: Path, overrides: list[str]) -> None:
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["deepspeed.stage=0"],
-        ["deepspeed.stage=1"],
-        ["deepspeed.stage=2"],
+        ["deepspeed.stage=0", "adapter.method=adalora", "adapter.r=4", "adapter.adalora_init_r=8"],
+        ["deepspeed.stage=1", "adapter.method=rslora"],
+        ["deepspeed.stage=2", "adapter.method=dora", "data.packing=true", "train.micro_batch_size=2"],
         ["deepspeed.stage=2", "deepspeed.offload_optimizer=true"],
-        ["deepspeed.stage=3"],
+        ["deepspeed.stage=3", "adapter.method=full", "train.lr=1e-3"],
         ["deepspeed.stage=3", "deepspeed.offload_optimizer=true", "deepspeed.offload_param=true"],
     ],
-    ids=["zero0", "zero1", "zero2", "zero2-offload", "zero3", "zero3-offload"],
+    ids=["zero0-adalora", "zero1-rslora", "zero2-dora-packed", "zero2-offload-lora", "zero3-full", "zero3-offload-lora"],
 )
-def test_lora_on_every_zero_stage(ray_cluster, tmp_path, tiny_model_path, overrides):
+def test_every_zero_stage_and_adapter_method(ray_cluster, tmp_path, tiny_model_path, overrides):
+    """Each ZeRO stage (and offload) and each adapter method once: every pair would be 25 runs;
+    plain LoRA on ZeRO-2 is the default that the other Ray tests run."""
     check_run(tmp_path, overrides)
-
-
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        ["adapter.method=dora"],
-        ["adapter.method=rslora"],
-        ["adapter.method=adalora", "adapter.r=4", "adapter.adalora_init_r=8", "deepspeed.stage=0"],
-        ["adapter.method=full", "train.lr=1e-3"],
-    ],
-    ids=["dora", "rslora", "adalora", "full"],
-)
-def test_every_adapter_method(ray_cluster, tmp_path, tiny_model_path, overrides):
-    check_run(tmp_path, overrides)
-
-
-def test_packed_run_trains(ray_cluster, tmp_path, tiny_model_path):
-    check_run(tmp_path, ["data.packing=true", "train.micro_batch_size=2"])
 
 
 def test_target_modules_are_checked_against_the_model(ray_cluster, tmp_path, tiny_model_path):
