@@ -117,7 +117,7 @@ def zerolab_loop(args: argparse.Namespace, rows: list, device: torch.device, wor
     from zerolab.config import load_config
     from zerolab.data import MicroBatches
     from zerolab.models import load_tokenizer
-    from zerolab.train import _build_model, _build_optimizer, _build_scheduler, _seed_everything, optimizer_step
+    from zerolab.train import _build_model, _seed_everything, initialize_engine, optimizer_step
 
     cfg = load_config(None, [*args.set, f"model.name_or_path={args.model}", f"scaling.num_workers={world}",
                              f"train.max_steps={args.steps}"])
@@ -128,8 +128,7 @@ def zerolab_loop(args: argparse.Namespace, rows: list, device: torch.device, wor
                            packing=cfg.data.packing, pad_id=load_tokenizer(cfg.model).pad_token_id, seed=cfg.train.seed)
     model = _build_model(cfg, resolved, args.steps)
     total, trainable = model_counts(model)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_build_optimizer(model, cfg), config=resolved,
-                                           lr_scheduler=lambda o: _build_scheduler(o, cfg, args.steps), dist_init_required=False)
+    engine = initialize_engine(model, cfg, resolved, args.steps)
     stream = batches.iterate()
     engine.train()
 

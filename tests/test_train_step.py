@@ -44,41 +44,61 @@ def reference_gradient() -> tuple[dict[str, torch.Tensor], float]:
     return grads, torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()])).item()
 
 
-def worker(rank: int, stage: int, port: int, results: dict) -> None:
+def worker(rank: int, stage: int, mode: str, port: int, results: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
                       DS_ACCELERATOR="cpu")
     import deepspeed
 
-    from zerolab.config import ModelSpec
+    from zerolab.config import load_config
     from zerolab.models import load_model
-    from zerolab.train import optimizer_step
+    from zerolab.train import initialize_engine, optimizer_step
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    model = load_model(ModelSpec(), torch.float32)
-    before = {k: p.detach().clone() for k, p in model.named_parameters()}
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ACCUM, "gradient_clipping": 0.0,
               "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
-    # SGD with lr 1 and no momentum: the update is exactly the applied gradient.
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), config=config)
+    if mode == "sgd":  # fp32, SGD with lr 1 and no momentum: the update is exactly the applied gradient
+        cfg = load_config(None, [])
+        model = load_model(cfg.model, torch.float32)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), config=config)
+    else:  # bf16 as on GPUs, zerolab's AdamW at a constant learning rate
+        cfg = load_config(None, ["adapter.method=full", "train.lr=1e-2", "train.warmup_ratio=0", "train.lr_scheduler=constant"])
+        model = load_model(cfg.model, torch.bfloat16)
+        engine = initialize_engine(model, cfg, {**config, "bf16": {"enabled": True}}, total_steps=10)
+    before = {k: p.detach().float().clone() for k, p in engine.module.named_parameters()}
     _, norm = optimizer_step(engine, micro_batches(rank), torch.device("cpu"), want_grad_norm=True)
     if rank == 0:
-        results["applied"] = {k: before[k] - p.detach() for k, p in engine.module.named_parameters()}
+        results["applied"] = {k: before[k] - p.detach().float() for k, p in engine.module.named_parameters()}
         results["norm"] = None if norm is None else float(norm)
+
+
+def run_step(stage: int, mode: str) -> tuple[dict[str, torch.Tensor], float | None]:
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(worker, args=(stage, mode, free_port(), results), nprocs=2)
+        return results["applied"], results["norm"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 2])
 def test_accumulated_step_applies_the_token_mean_gradient(stage):
     expected, expected_norm = reference_gradient()
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(worker, args=(stage, free_port(), results), nprocs=2)
-        applied, norm = results["applied"], results["norm"]
+    applied, norm = run_step(stage, "sgd")
     for key, grad in expected.items():
         torch.testing.assert_close(applied[key], grad, rtol=1e-4, atol=1e-6, msg=key)
     if stage == 0:
         assert norm == pytest.approx(expected_norm, rel=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 2])
+def test_first_adamw_step_in_bf16_moves_each_weight_by_the_learning_rate(stage):
+    """AdamW's first step is m/sqrt(v) = g/|g| per weight (bias-corrected): every weight with a
+    gradient moves by the learning rate, on every stage (ZeRO-0 wraps the optimizer in bf16)."""
+    applied, _ = run_step(stage, "adamw")
+    moved = torch.cat([d.flatten() for d in applied.values()])
+    moved = moved[moved != 0]  # embedding rows of tokens absent from the batches get no gradient
+    assert moved.abs().mean().item() / 1e-2 == pytest.approx(1.0, abs=0.05)
 
 
 def test_stale_build_locks_are_removed_and_live_ones_kept(tmp_path, monkeypatch):

@@ -77,13 +77,7 @@ def train_loop_per_worker(config: dict) -> None:
               cfg.model.name_or_path, f"{trainable:,}", f"{total:,}", 100 * trainable / total, cfg.adapter.method,
               cfg.deepspeed.stage, _offload_label(cfg), world)
 
-    engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        optimizer=_build_optimizer(model, cfg),
-        lr_scheduler=lambda optimizer: _build_scheduler(optimizer, cfg, total_steps),
-        config=ds_config,
-        dist_init_required=False,
-    )
+    engine = initialize_engine(model, cfg, ds_config, total_steps)
     if cfg.adapter.method == "adalora":
         # AdaLoRA reads the gradients after the optimizer step and before they are zeroed.
         engine.optimizer.register_step_post_hook(lambda *_: engine.module.base_model.update_and_allocate(engine.global_steps))
@@ -214,6 +208,31 @@ def _build_model(cfg: SFTConfig, ds_config: dict, total_steps: int) -> torch.nn.
     if cfg.model.gradient_checkpointing and cfg.adapter.is_peft():
         model.enable_input_require_grads()
     return adapters.apply_adapter(model, cfg.adapter, total_steps)
+
+
+def initialize_engine(model: torch.nn.Module, cfg: SFTConfig, ds_config: dict, total_steps: int) -> Any:
+    """``deepspeed.initialize`` with zerolab's optimizer and schedule.
+
+    Under ZeRO-0 in bf16/fp16, DeepSpeed wraps the optimizer in its FP16 optimizer, which runs one
+    step with zero gradients when it is built to create the optimizer state. AdamW counts that
+    step, so its bias correction was one step off for the whole run (the first update 0.74× that
+    of ZeRO 1-3, where no such step runs). The state is dropped here and the first real step
+    creates it; a resumed run loads its own.
+    """
+    import deepspeed
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=_build_optimizer(model, cfg),
+        lr_scheduler=lambda optimizer: _build_scheduler(optimizer, cfg, total_steps),
+        config=ds_config,
+        dist_init_required=False,
+    )
+    if isinstance(engine.optimizer, (FP16_Optimizer, FP16_UnfusedOptimizer)):
+        engine.optimizer.optimizer.state.clear()
+    return engine
 
 
 def _build_optimizer(model: torch.nn.Module, cfg: SFTConfig) -> torch.optim.Optimizer:
