@@ -1,6 +1,7 @@
-"""The worker's training step: one optimizer step of zerolab's loop on a real 2-rank DeepSpeed engine
-(gloo, CPU) applies the token mean gradient over every micro-batch of both ranks, whatever the ZeRO
-stage, and reports that gradient's norm under ZeRO-0; leftovers of interrupted op builds are cleared."""
+"""The worker's training step on a real 2-rank DeepSpeed engine (gloo, CPU): one optimizer step
+applies the token mean gradient over every micro-batch of both ranks whatever the ZeRO stage, and
+reports that gradient's norm under ZeRO-0; AdamW's first bf16 step is a full step on every stage;
+leftovers of interrupted op builds are cleared."""
 
 from __future__ import annotations
 
