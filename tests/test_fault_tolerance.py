@@ -205,3 +205,20 @@ def test_unreachable_ray_address_is_one_paragraph(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "could not reach the Ray cluster at RAY_ADDRESS='127.0.0.1:1'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_keys_added_by_a_later_zerolab_are_not_config_drift(tmp_path):
+    from zerolab.checkpoints import JOB_CONFIG_FILE, RunFolder, prepare_run_folder
+
+    storage = str(tmp_path / "runs")
+    cfg = load_config(None, tiny_overrides(tmp_path, **{"run.name": "upgraded"}))
+    folder = RunFolder.of(cfg, storage)
+    recorded_before_the_key_existed = {k: v for k, v in cfg.flat().items() if k != "model.kernels"}
+
+    folder.write_json(JOB_CONFIG_FILE, recorded_before_the_key_existed)
+    assert prepare_run_folder(cfg, storage, restart=False) is None  # at its default: the same job
+
+    folder.write_json(JOB_CONFIG_FILE, recorded_before_the_key_existed)
+    changed = load_config(None, tiny_overrides(tmp_path, **{"run.name": "upgraded", "model.kernels": "none"}))
+    with pytest.raises(CheckpointError, match=r"different training config \(model.kernels: 'auto' -> 'none'\)"):
+        prepare_run_folder(changed, storage, restart=False)

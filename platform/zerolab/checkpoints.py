@@ -89,10 +89,13 @@ def prepare_run_folder(cfg: SFTConfig, storage_path: str, *, restart: bool) -> s
     if folder.exists():
         saved = folder.read_json(JOB_CONFIG_FILE)
         if saved is not None:
-            changed = sorted(k for k in set(saved) | set(cfg.flat())
-                             if k not in RESUME_SAFE_KEYS and saved.get(k) != cfg.flat().get(k))
+            # A key the record lacks came with a later zerolab: only a value other than its
+            # default changes what is trained. A key the record has and zerolab no longer knows
+            # cannot be set any more.
+            now, default = cfg.flat(), SFTConfig().flat()
+            changed = sorted(k for k in now if k not in RESUME_SAFE_KEYS and saved.get(k, default[k]) != now[k])
             if changed:
-                diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {cfg.flat().get(k)!r}" for k in changed[:8])
+                diffs = ", ".join(f"{k}: {saved.get(k, default[k])!r} -> {now[k]!r}" for k in changed[:8])
                 raise CheckpointError(
                     f"run.name '{cfg.run.name}' already exists in {folder.uri} with a different training config ({diffs}). "
                     "A relaunch resumes that run, so it must train the same thing: choose a new run.name, or pass "
