@@ -12,22 +12,18 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import free_port
+from conftest import free_port, rows_of
 
 ACCUM = 2
 
 
 def micro_batches(rank: int) -> list:
-    from zerolab.data import IGNORE_INDEX, Batch
+    """This rank's ACCUM micro-batches of 2 rows, collated by zerolab (padded per batch); rows of
+    different lengths and prompt lengths, where a mean of per-batch means would be wrong."""
+    from zerolab.data import MicroBatches
 
-    g = torch.Generator().manual_seed(100 + rank)
-    out = []
-    for i in range(ACCUM):
-        ids = torch.randint(5, 1000, (2, 6 + 3 * i), generator=g)
-        labels = ids.clone()
-        labels[:, : 2 + i] = IGNORE_INDEX  # uneven prompt lengths: per-batch means would be wrong
-        out.append(Batch({"input_ids": ids, "labels": labels}, num_tokens=ids.numel(), num_targets=int((labels[:, 1:] != IGNORE_INDEX).sum())))
-    return out
+    rows = rows_of([6, 7, 9, 14][: 2 * ACCUM], seed=100 + rank)
+    return MicroBatches(rows, micro_batch_size=2, max_seq_length=64, packing=False, pad_id=0, seed=0).sequential()
 
 
 def reference_gradient() -> tuple[dict[str, torch.Tensor], float]:
