@@ -94,6 +94,14 @@ def _suite_scaling(shape: str, mb: int, steps: int, gpus: int) -> list[Run]:
     return runs
 
 
+def _suite_zero3(shape: str, gpus: int) -> list[Run]:
+    """ZeRO-3 against ZeRO-2 with more tokens per micro-batch (4 packed rows: each gather of the
+    frozen weights serves 4× the tokens), and a profile of ZeRO-3's step under torchrun."""
+    return [Run("zerolab", shape, gpus=gpus, stage=stage, micro_batch=4, steps=8, window=4, variant="mb4", timeout_s=240)
+            for stage in (2, 3)] + [
+        Run("zerolab-torchrun", shape, gpus=gpus, stage=3, micro_batch=1, steps=6, window=3, profile_steps=2, timeout_s=240)]
+
+
 SUITES: dict[str, list[Run]] = {
     # One GPU: zerolab against the baselines (0.5B and 7B shapes, packed 4k-token sequences).
     "single-0.5b": _suite_single("qwen2.5-0.5b", zero_mb=4, base_mb=4, plain_ckpt=False, steps=20, timeout_s=180),
@@ -103,6 +111,10 @@ SUITES: dict[str, list[Run]] = {
     # Scaling over the GPUs of one host, ZeRO 0/2/3 (and ZeRO-3 with Hugging Face's default buckets).
     "scaling-7b": _suite_scaling("qwen2.5-7b", mb=1, steps=10, gpus=2),
     "scaling-0.5b": _suite_scaling("qwen2.5-0.5b", mb=4, steps=20, gpus=2)[:-1],
+    "scaling-7b-4gpu": _suite_scaling("qwen2.5-7b", mb=1, steps=10, gpus=4)[:-1],
+    "zero3-7b": _suite_zero3("qwen2.5-7b", gpus=2),
+    # 7B on one GPU with 2 packed 4k rows per micro-batch: twice the work per kernel launch.
+    "single-7b-mb2": [Run("zerolab", "qwen2.5-7b", micro_batch=2, steps=12, window=6, variant="mb2", timeout_s=240)],
     # CPU smoke test of the harness itself (tiny model, no GPU): every system runs a few steps.
     "cpu-smoke": [Run(s, "tiny", micro_batch=2, steps=4, window=2, checkpointing=s == "seeds", attn="sdpa", kernels="none",
                       timeout_s=600) for s in SYSTEMS],
@@ -196,6 +208,10 @@ def execute(run: Run, ws: Workspace, log: Any) -> tuple[dict[str, Any], dict[str
                            "offload": run.offload, "variant": run.variant, "micro_batch": run.micro_batch,
                            "checkpointing": run.checkpointing, "steps": run.steps, "command": _shown(cmd, ws)}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "platform"), os.environ.get("PYTHONPATH", "")])}
+    if run.system == "zerolab-torchrun":  # the allocator settings zerolab's workers get
+        from zerolab.run import CUDA_ALLOC_CONF
+
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
     log.write(f"\n===== {run.name}\n$ {row['command']}\n")
     log.flush()
     launch = time.time()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -23,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--set", action="append", default=[])
     args = parser.parse_args(argv)
+    # The driver's steps with their times, for the time to first step (the workers log their own).
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s.%(msecs)03d %(name)s %(message)s", datefmt="%H:%M:%S")
 
     from zerolab.config import load_config
     from zerolab.run import run_sft

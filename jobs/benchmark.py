@@ -2,6 +2,7 @@
 
     python jobs/benchmark.py --suite single-0.5b --suite single-7b --out results/h100
     python jobs/benchmark.py --suite scaling-7b --out results/h200x2 --max-minutes 9
+    python jobs/benchmark.py --run zerolab-qwen2.5-7b-1gpu-z0-mb2 --out results/h100  # one run, by name
     python jobs/benchmark.py --suite cpu-smoke --out /tmp/bench           # the harness itself, on CPU
     python jobs/benchmark.py --report results/*/benchmark.csv --out docs  # one table from several machines
 
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", action="append", choices=sorted(harness.SUITES), default=[], help="runs to make (repeatable)")
     parser.add_argument("--only", action="append", default=[], help="only runs whose name contains this (repeatable)")
+    parser.add_argument("--run", action="append", default=[], metavar="NAME",
+                        help="a run of any suite by its exact name (repeatable; in the order given, after --suite's runs)")
     parser.add_argument("--out", type=Path, required=True, help="folder for the results")
     parser.add_argument("--work", type=Path, default=Path("/tmp/zerolab-bench"), help="models, data and run folders")
     parser.add_argument("--max-minutes", type=float, help="start no run after this many minutes")
@@ -48,6 +51,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     start = time.monotonic()
     runs = [r for s in args.suite for r in harness.SUITES[s] if not args.only or any(o in r.name for o in args.only)]
+    by_name: dict[str, harness.Run] = {}
+    for suite in harness.SUITES.values():  # a name in several suites: the first one's settings
+        for r in suite:
+            by_name.setdefault(r.name, r)
+    unknown = [n for n in args.run if n not in by_name]
+    if unknown:
+        parser.error(f"--run: no run named {', '.join(unknown)}; the runs: {', '.join(sorted(by_name))}")
+    runs += [by_name[n] for n in args.run]
     ws = harness.Workspace(args.work)
     ws.prepare({r.shape for r in runs})
     (args.out / "environment.json").write_text(json.dumps(harness.environment(), indent=1))

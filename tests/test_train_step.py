@@ -1,7 +1,7 @@
 """The worker's training step on a real 2-rank DeepSpeed engine (gloo, CPU): one optimizer step
 applies the token mean gradient over every micro-batch of both ranks whatever the ZeRO stage, and
 reports that gradient's norm under ZeRO-0; AdamW's first bf16 step is a full step on every stage;
-leftovers of interrupted op builds are cleared."""
+the fused loss reads ZeRO-3's partitioned head; leftovers of interrupted op builds are cleared."""
 
 from __future__ import annotations
 
@@ -96,6 +96,66 @@ def test_first_adamw_step_in_bf16_moves_each_weight_by_the_learning_rate(stage):
     moved = torch.cat([d.flatten() for d in applied.values()])
     moved = moved[moved != 0]  # embedding rows of tokens absent from the batches get no gradient
     assert moved.abs().mean().item() / 1e-2 == pytest.approx(1.0, abs=0.05)
+
+
+def fused_loss_worker(rank: int, port: int, results: dict) -> None:
+    """ZeRO-3 partitions the head's weight, and the fused loss (Liger's, here a plain-torch stand-in
+    of the same function) reads it outside the head's forward: DeepSpeed must gather it there, and
+    the loss must be the model's own."""
+    import sys
+    import types
+
+    import torch.nn.functional as F
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                      DS_ACCELERATOR="cpu")
+    import deepspeed
+
+    from zerolab import kernels
+    from zerolab.config import ModelSpec
+    from zerolab.models import load_model
+
+    def fused(hidden, weight, target, ignore_index=-100, reduction="mean"):
+        return F.cross_entropy((hidden @ weight.t()).float(), target, ignore_index=ignore_index, reduction=reduction)
+
+    functional = types.ModuleType("liger_kernel.transformers.functional")
+    functional.liger_fused_linear_cross_entropy = fused
+    sys.modules["liger_kernel.transformers.functional"] = functional
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = load_model(ModelSpec(), torch.float32)
+    model.config.use_cache = False
+    # An untied head, as in 7B models (a tied one is gathered for the embedding's own forward).
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    model.config.tie_word_embeddings = False
+    model.requires_grad_(False)
+    model.model.layers[0].mlp.down_proj.weight.requires_grad_(True)
+    # Nothing persistent and nothing kept for reuse: every weight is released after its module runs.
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero, "zero_allow_untested_optimizer": True}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD([model.model.layers[0].mlp.down_proj.weight], lr=0.0),
+                                      config=config)
+    engine.train()  # the fused loss is for training
+    batch = micro_batches(rank)[0]
+    # The fused loss first: once the head's own forward has run, ZeRO-3 prefetches it by its trace.
+    engine.module.forward = types.MethodType(kernels._fused_loss_forward, engine.module)
+    got = engine(**batch.inputs)
+    engine.backward(got.loss)
+    head_shape = tuple(engine.module.lm_head.weight.shape)
+    del engine.module.forward
+    expected = engine(**batch.inputs).loss.item()
+    results[rank] = (got.loss.item(), expected, head_shape)
+
+
+@pytest.mark.slow
+def test_fused_loss_reads_the_zero3_partitioned_head():
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(fused_loss_worker, args=(free_port(), results), nprocs=2)
+        results = dict(results)
+    for got, expected, head_shape in results.values():
+        assert got == pytest.approx(expected, rel=1e-5)
+        assert 0 in head_shape  # partitioned again after the loss
 
 
 def test_stale_build_locks_are_removed_and_live_ones_kept(tmp_path, monkeypatch):

@@ -12,8 +12,15 @@
   linear + cross-entropy loss, which computes the loss and its gradient chunk by chunk without
   materialising the B·S×V logits (with a 150k vocabulary, the largest tensors of a LoRA step).
   Applied on GPU when the ``liger_kernel`` package imports; everything else keeps Hugging Face's
-  modules. The fused loss is skipped under ZeRO-3 (the head's weight is partitioned there and
-  only gathered inside the head's own forward) and when the head itself is trained.
+  modules. The fused loss is skipped when the head itself is trained. Under ZeRO-3 it reads the
+  partitioned head's weight outside the head's forward, which DeepSpeed gathers on access.
+- LoRA's ``base(x) + scale·B(A(x))`` as one in-place matrix product (``fuse_lora``): peft runs
+  B's product, a scale and an add, three passes over the B·S×out output in the forward and one
+  more in the backward, for every wrapped projection (about a thousand small kernels per step
+  of a 7B model); ``addmm_`` accumulates ``scale·A(x)·Bᵀ`` into the base layer's output in the
+  product's own epilogue. Plain LoRA (rsLoRA too) with one active adapter, on any device, below
+  ZeRO-3 (whose hooks partition and gather weights around module calls); other layers keep peft's
+  forward.
 """
 
 from __future__ import annotations
@@ -173,11 +180,11 @@ def use_liger(kernels: str, *, use_gpu: bool) -> bool:
     return kernels == "liger" or importlib.util.find_spec("liger_kernel") is not None
 
 
-def use_fused_loss(kernels: str, *, use_gpu: bool, stage: int, head_trains: bool) -> bool:
+def use_fused_loss(kernels: str, *, use_gpu: bool, head_trains: bool) -> bool:
     """Whether the training loss will be Liger's fused linear + cross-entropy (what the memory
-    estimate needs to know): Liger on (``auto``: where the package is installed), on GPU, below
-    ZeRO-3, with a frozen head."""
-    return use_liger(kernels, use_gpu=use_gpu) and stage < 3 and not head_trains
+    estimate needs to know): Liger on (``auto``: where the package is installed), on GPU, with a
+    frozen head."""
+    return use_liger(kernels, use_gpu=use_gpu) and not head_trains
 
 
 def apply_liger(model: torch.nn.Module, *, fused_loss: bool) -> list[str]:
@@ -219,6 +226,8 @@ def _fused_loss_forward(self: Any, input_ids: torch.Tensor | None = None, attent
     hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs).last_hidden_state
     targets = F.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1).to(hidden.device)
     reduction = "mean" if num_items_in_batch is None else "sum"
+    # Under ZeRO-3 reading the partitioned head's weight here gathers it (DeepSpeed registers it as
+    # an external parameter of the model, released after its forward and backward).
     loss = liger_fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight, targets,
                                             ignore_index=-100, reduction=reduction)
     if num_items_in_batch is not None:
@@ -226,5 +235,41 @@ def _fused_loss_forward(self: Any, input_ids: torch.Tensor | None = None, attent
     return CausalLMOutputWithPast(loss=loss)
 
 
-__all__ = ["CU_SEQLENS_KEY", "VARLEN_ATTENTION", "apply_liger", "liger_available", "packed_cu_seqlens", "resolve_attention",
+# --- LoRA ---------------------------------------------------------------------------------------
+
+
+def fuse_lora(model: torch.nn.Module) -> int:
+    """Give every plain peft LoRA ``Linear`` of ``model`` the fused forward; returns how many.
+    Call after the adapter is applied; under ZeRO-3 the layers keep taking peft's forward."""
+    from peft.tuners.lora.layer import Linear
+
+    count = 0
+    for module in model.modules():
+        if type(module) is Linear:  # not its subclasses (quantized bases, AdaLoRA's SVD layers)
+            module.forward = types.MethodType(_lora_addmm_forward, module)
+            count += 1
+    return count
+
+
+def _lora_addmm_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """peft's LoRA forward, ``base(x) + scale·B(A(dropout(x)))``, with the scaled product of B
+    accumulated in place into the base layer's output by one ``addmm_`` (the base layer's
+    backward needs its input and weight, never its output, so the in-place update is safe for
+    autograd). Anything else — adapters disabled or merged, several active adapters, DoRA and
+    other variants, a bias on B, mixed dtypes, a ZeRO-3 partitioned B — takes peft's own forward."""
+    names = self.active_adapters
+    name = names[0] if len(names) == 1 else None
+    a_layer, b_layer = (self.lora_A[name], self.lora_B[name]) if name in self.lora_A else (None, None)
+    base = self.base_layer
+    if (a_layer is None or args or kwargs or self.disable_adapters or self.merged or name in self.lora_variant
+            or b_layer.bias is not None or hasattr(b_layer.weight, "ds_id")
+            or not x.dtype == a_layer.weight.dtype == b_layer.weight.dtype == base.weight.dtype):
+        return type(self).forward(self, x, *args, **kwargs)
+    flat = x.reshape(-1, x.shape[-1])
+    out = base(flat)
+    out.addmm_(a_layer(self.lora_dropout[name](flat)), b_layer.weight.t(), alpha=self.scaling[name])
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+__all__ = ["CU_SEQLENS_KEY", "VARLEN_ATTENTION", "apply_liger", "fuse_lora", "liger_available", "packed_cu_seqlens", "resolve_attention",
            "use_fused_loss", "use_liger", "varlen_attention_forward", "varlen_unavailable_reason"]

@@ -49,6 +49,7 @@ def train_loop_per_worker(config: dict) -> None:
     import deepspeed
     import ray.train
 
+    started = time.perf_counter()
     cfg = SFTConfig.from_dict(config["sft"])
     ds_config: dict = config["deepspeed"]
     _setup_worker_logging()
@@ -68,10 +69,12 @@ def train_loop_per_worker(config: dict) -> None:
         seed=cfg.train.seed,
     )
     total_steps = _total_steps(cfg, batches.batches_per_epoch(), device)
+    data_ready = time.perf_counter()
 
     tokenizer = load_tokenizer(cfg.model)
     batches.pad_id = tokenizer.pad_token_id
     model = _build_model(cfg, ds_config, total_steps)
+    model_ready = time.perf_counter()
     trainable, total = adapters.parameter_counts(model)
     log_rank0("model %s: %s trainable of %s parameters (%.3f%%), method %s, ZeRO-%d%s, world %d",
               cfg.model.name_or_path, f"{trainable:,}", f"{total:,}", 100 * trainable / total, cfg.adapter.method,
@@ -83,6 +86,9 @@ def train_loop_per_worker(config: dict) -> None:
         engine.optimizer.register_step_post_hook(lambda *_: engine.module.base_model.update_and_allocate(engine.global_steps))
 
     start_step = _restore(engine, rank, adapter_only=cfg.adapter.is_peft())
+    now = time.perf_counter()
+    log_rank0("worker ready in %.1f s: process group and data shard %.1f s, model %.1f s, DeepSpeed engine%s %.1f s",
+              now - started, data_ready - started, model_ready - data_ready, " and checkpoint" if start_step else "", now - model_ready)
     stream = _FirstStepClock(batches.iterate(start=start_step * cfg.train.grad_accum_steps), cfg.train.grad_accum_steps, device)
     tracker = None
     if rank == 0 and config.get("tracking"):
@@ -198,7 +204,7 @@ def _build_model(cfg: SFTConfig, ds_config: dict, total_steps: int) -> torch.nn.
         _build_model.hf_ds_config = HfDeepSpeedConfig(ds_config)  # type: ignore[attr-defined]
     model = load_model(cfg.model, dtype)
     head_trains = not cfg.adapter.is_peft() or "lm_head" in cfg.adapter.target_modules
-    fused_loss = kernels.use_fused_loss(cfg.model.kernels, use_gpu=cfg.scaling.use_gpu, stage=cfg.deepspeed.stage, head_trains=head_trains)
+    fused_loss = kernels.use_fused_loss(cfg.model.kernels, use_gpu=cfg.scaling.use_gpu, head_trains=head_trains)
     if cfg.model.kernels != "none" and cfg.scaling.use_gpu:
         applied = kernels.apply_liger(model, fused_loss=fused_loss)
         log_rank0("Liger kernels: %s", ", ".join(applied) if applied else "not available (liger_kernel not installed)")
@@ -207,7 +213,10 @@ def _build_model(cfg: SFTConfig, ds_config: dict, total_steps: int) -> torch.nn.
     model.config.use_cache = False
     if cfg.model.gradient_checkpointing and cfg.adapter.is_peft():
         model.enable_input_require_grads()
-    return adapters.apply_adapter(model, cfg.adapter, total_steps)
+    model = adapters.apply_adapter(model, cfg.adapter, total_steps)
+    if cfg.model.kernels != "none":
+        kernels.fuse_lora(model)
+    return model
 
 
 def initialize_engine(model: torch.nn.Module, cfg: SFTConfig, ds_config: dict, total_steps: int) -> Any:
