@@ -14,6 +14,7 @@ import signal
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -429,8 +430,9 @@ def dataset_paths(cfg: SFTConfig) -> dict[str, str]:
 def prepare_data(cfg: SFTConfig, model_path: str) -> tuple[dict[str, Any], dict[str, SplitReport]]:
     datasets, reports = {}, {}
     for split, path in dataset_paths(cfg).items():
+        started = time.monotonic()
         datasets[split], reports[split] = prepare_split(split, path, cfg, model_path)
-        logger.info("data %s", reports[split].summary())
+        logger.info("data %s, prepared in %.1f s", reports[split].summary(), time.monotonic() - started)
     need = cfg.train.micro_batch_size * cfg.world_size()
     if reports["train"].rows_used < cfg.world_size():
         raise DataError(

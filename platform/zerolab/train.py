@@ -487,7 +487,7 @@ def clear_stale_build_locks(max_age_s: float = STALE_BUILD_LOCK_S) -> list[Path]
 
 
 def _setup_worker_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("zerolab").setLevel(logging.INFO)
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "transformers", "peft"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
