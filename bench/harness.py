@@ -95,10 +95,10 @@ def _suite_scaling(shape: str, mb: int, steps: int, gpus: int) -> list[Run]:
 
 
 def _suite_zero3(shape: str, gpus: int) -> list[Run]:
-    """ZeRO-3 against ZeRO-2 with more tokens per micro-batch (4 packed rows: each gather of the
-    frozen weights serves 4× the tokens), and a profile of ZeRO-3's step under torchrun."""
-    return [Run("zerolab", shape, gpus=gpus, stage=stage, micro_batch=4, steps=8, window=4, variant="mb4", timeout_s=240)
-            for stage in (2, 3)] + [
+    """ZeRO-3 against ZeRO-2 with more tokens per micro-batch (each gather of the frozen weights
+    serves 2× or 4× the tokens), and a profile of ZeRO-3's step under torchrun."""
+    return [Run("zerolab", shape, gpus=gpus, stage=stage, micro_batch=mb, steps=8, window=4, variant=f"mb{mb}", timeout_s=240)
+            for mb in (4, 2) for stage in (2, 3)] + [
         Run("zerolab-torchrun", shape, gpus=gpus, stage=3, micro_batch=1, steps=6, window=3, profile_steps=2, timeout_s=240)]
 
 

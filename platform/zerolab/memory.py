@@ -600,6 +600,7 @@ class _ZeroKnobs:
     max_reuse_distance: int
     max_live_parameters: int
     pin_memory: bool
+    memory_efficient_linear: bool
 
     @classmethod
     def resolve(cls, cfg: SFTConfig, hidden_size: int) -> _ZeroKnobs:
@@ -617,6 +618,7 @@ class _ZeroKnobs:
             max_reuse_distance=int(zero.get("stage3_max_reuse_distance", 1e9)),
             max_live_parameters=int(zero.get("stage3_max_live_parameters", 1e9)),
             pin_memory=any(bool(o.get("pin_memory", False)) for o in offload if o.get("device", "none") != "none"),
+            memory_efficient_linear=stage3 and bool(zero.get("memory_efficient_linear", True)),
         )
 
 
@@ -855,7 +857,9 @@ class _Estimator:
         when the adapter computes in fp32), lora_A's output e_a·r, and DoRA's base and LoRA
         results (2·e_a·out). With Liger's kernels (``zerolab.kernels``) each RMSNorm keeps its
         input in e and the fp32 rsqrt (e·h + 4, also when its weight trains) and SwiGLU keeps the
-        gate and up outputs only (2·e·I).
+        gate and up outputs only (2·e·I). Under ZeRO-3 with DeepSpeed's ``memory_efficient_linear``
+        (its default; zerolab turns it off for adapters) every projection keeps its input, frozen
+        or not: e·h for q/k/v and for gate/up, e·I for down, where nothing else keeps them.
         """
         s, e, ea = self.shape, self.e, self.e_adapter
         h, inter, s_len = s.hidden_size, s.intermediate_size, self.cfg.data.max_seq_length
@@ -870,7 +874,9 @@ class _Estimator:
         gqa_repeat = attn not in ("flash_attention_2", "varlen") and s.num_kv_heads != s.num_heads
 
         def input_kept(group: Sequence[str]) -> bool:
-            return full or (not dropout and ea == e and any(t in targets for t in group))
+            if full or self.knobs.memory_efficient_linear:
+                return True
+            return not dropout and ea == e and any(t in targets for t in group)
 
         total = 2 * self._norm_bytes(trains=full)
         kv = s.q_dim if gqa_repeat else s.kv_dim
