@@ -32,7 +32,11 @@ def apply_adapter(model: torch.nn.Module, spec: AdapterSpec, total_steps: int) -
         )
     else:
         config = LoraConfig(r=spec.r, use_dora=spec.method == "dora", use_rslora=spec.method == "rslora", **common)
-    return get_peft_model(model, config)
+    # Adapters in the model's dtype: peft's default makes them fp32, which DeepSpeed casts back to
+    # bf16/fp16 under ZeRO 0-2 but not under ZeRO-3, where every adapter product then ran in fp32
+    # (no tensor cores) with casts around it: a fifth of a 7B ZeRO-3 step's GPU time. The
+    # optimizer keeps fp32 master weights either way.
+    return get_peft_model(model, config, autocast_adapter_dtype=False)
 
 
 def numel(p: torch.Tensor) -> int:

@@ -128,11 +128,6 @@ def fill(raw: dict[str, Any], cfg: SFTConfig, hidden_size: int, *, source: str =
     for key, value in derived.items():
         if zero.get(key) == "auto":
             zero[key] = value
-    if ds.stage == 3 and adapter:
-        # ZeRO-3 otherwise replaces torch's linear with one that saves every input for the backward,
-        # also of frozen weights, whose backward needs none: for a 7B LoRA step at 4k tokens, 5.9
-        # GiB of activations no other stage keeps (docs/calibration/).
-        zero.setdefault("memory_efficient_linear", False)
 
     leftover = [k for k, v in _walk(out) if v == "auto"]
     for key in leftover:

@@ -702,8 +702,6 @@ class _Estimator:
         self.offload_param = option.offload == "all"
         self.e = 4 if cfg.precision() == "fp32" else 2
         self.peft = cfg.adapter.is_peft()
-        # peft makes adapters fp32; DeepSpeed casts them to e except under ZeRO-3 (zero.Init params are not cast).
-        self.e_adapter = 4 if (self.peft and self.stage == 3) else self.e
         self.tokens = cfg.train.micro_batch_size * cfg.data.max_seq_length
         # varlen attention runs on GPUs only; elsewhere the model loads with sdpa (zerolab.kernels).
         self.attn = "sdpa" if cfg.model.attn_implementation == "varlen" and not self.gpu else cfg.model.attn_implementation
@@ -717,7 +715,7 @@ class _Estimator:
 
     # -- helpers
     def _bytes(self, p: ParamSpec) -> int:
-        return self.e_adapter if p.adapter else self.e
+        return self.e  # adapters too: zerolab creates them in the model's dtype (zerolab.adapters)
 
     def _part(self, numel: int) -> int:
         """Elements of ``numel`` held by one rank under ZeRO partitioning (padded to a multiple of N)."""
@@ -820,10 +818,10 @@ class _Estimator:
         gradient, T·e. ZeRO-2: this rank's partition, ⌈T/N⌉·e. ZeRO-3: the flat partition buffer,
         ⌈T/N⌉·e. Under optimizer offload ZeRO 1-3 stream partitions to host (see host rows)."""
         if self.stage <= 1 and not self.offload_opt:
-            return self.T * self.e_adapter
+            return self.T * self.e
         if self.offload_opt:
             return 0
-        return self._part(self.T) * self.e_adapter
+        return self._part(self.T) * self.e
 
     def deepspeed_buffers(self) -> int:
         """Reduction and staging buffers at the optimizer step. ZeRO-0, N > 1: the flattened bucket
@@ -831,7 +829,7 @@ class _Estimator:
         reads, 4·T. ZeRO 1-2: reduce buckets (two with overlap_comm) of reduce_bucket_size·e and the
         fp32 gradient partition of the step, 4·⌈T/N⌉. ZeRO-3: one reduce bucket and the fp32
         gradient partition. Offload: buckets plus a staging buffer of the largest parameter."""
-        e, k = self.e_adapter, self.knobs  # gradients have the trainable parameters' dtype
+        e, k = self.e, self.knobs
         if self.stage == 0:
             allreduce = min(self.T, 500_000_000) * e if self.n > 1 else 0
             return allreduce + (4 * self.T if e != 4 else 0)
@@ -852,23 +850,22 @@ class _Estimator:
         ((4 + e)·heads·S) and a copy of the output for o_proj. MLP: gate output, SiLU
         output, up output (3·e·I). Inputs of trained base projections (full fine-tuning: the
         normed input once for q/k/v, once for gate/up, down's input e·I). Adapters per wrapped
-        projection (in, out): with dropout its output and mask (e_a·in + mask·in; the mask is a
-        byte on GPU, e_a bytes on CPU), without dropout the input itself (shared, or an fp32 copy
-        when the adapter computes in fp32), lora_A's output e_a·r, and DoRA's base and LoRA
-        results (2·e_a·out). With Liger's kernels (``zerolab.kernels``) each RMSNorm keeps its
+        projection (in, out), in the model's dtype like the adapters themselves: with dropout its
+        output and mask (e·in + mask·in; the mask is a byte on GPU, e bytes on CPU), without
+        dropout the input itself (shared), lora_A's output e·r, and DoRA's base and LoRA results
+        (2·e·out). With Liger's kernels (``zerolab.kernels``) each RMSNorm keeps its
         input in e and the fp32 rsqrt (e·h + 4, also when its weight trains) and SwiGLU keeps the
         gate and up outputs only (2·e·I). Under ZeRO-3 with DeepSpeed's ``memory_efficient_linear``
-        (its default; zerolab turns it off for adapters) every projection keeps its input, frozen
-        or not: e·h for q/k/v and for gate/up, e·I for down, where nothing else keeps them.
+        (its default) every projection keeps its input, frozen or not: e·h for q/k/v and for gate/up, e·I for down, where nothing else keeps them.
         """
-        s, e, ea = self.shape, self.e, self.e_adapter
+        s, e = self.shape, self.e
         h, inter, s_len = s.hidden_size, s.intermediate_size, self.cfg.data.max_seq_length
         full = not self.peft
         attn = self.attn
         targets, _ = target_projections(self.cfg.adapter)
         targets = [t for t in targets if t != "lm_head"]
         dropout = self.peft and self.cfg.adapter.dropout > 0
-        mask_bytes = 1 if self.gpu else ea
+        mask_bytes = 1 if self.gpu else e
         # Flash kernels (flash_attention_2, varlen) take fewer K/V heads; so does SDPA without a mask
         # (varlen's unpacked batches), but transformers repeats K/V for SDPA with one.
         gqa_repeat = attn not in ("flash_attention_2", "varlen") and s.num_kv_heads != s.num_heads
@@ -876,7 +873,7 @@ class _Estimator:
         def input_kept(group: Sequence[str]) -> bool:
             if full or self.knobs.memory_efficient_linear:
                 return True
-            return not dropout and ea == e and any(t in targets for t in group)
+            return not dropout and any(t in targets for t in group)
 
         total = 2 * self._norm_bytes(trains=full)
         kv = s.q_dim if gqa_repeat else s.kv_dim
@@ -894,12 +891,10 @@ class _Estimator:
         for name in targets:
             fan_in, fan_out = s.linear_shapes()[name]
             if dropout:
-                total += (ea + mask_bytes) * fan_in
-            elif ea != e:
-                total += ea * fan_in
-            total += ea * rank
+                total += (e + mask_bytes) * fan_in
+            total += e * rank
             if self.cfg.adapter.method == "dora":
-                total += 2 * ea * fan_out
+                total += 2 * e * fan_out
         return total
 
     def activations(self) -> int:
@@ -927,7 +922,7 @@ class _Estimator:
         h = self.shape.hidden_size
         targets = target_projections(self.cfg.adapter)[0]
         masks = sum(t in targets for t in ("q_proj", "k_proj", "v_proj")) if self.cfg.adapter.dropout > 0 else 0
-        return self._norm_bytes(trains=False) + masks * h * (1 if self.gpu else self.e_adapter)
+        return self._norm_bytes(trains=False) + masks * h * (1 if self.gpu else self.e)
 
     def _norm_bytes(self, *, trains: bool) -> int:
         """What one RMSNorm keeps per token: Hugging Face's keeps its fp32 input copy and rsqrt (4h + 4),
@@ -968,12 +963,12 @@ class _Estimator:
     def dora_transient(self) -> int:
         """DoRA's forward computes the weight norm of each wrapped projection from
         lora_B(lora_A(eye(in))): an in×in identity, the in×out LoRA weight and W + scale·ΔW, freed
-        after the module but as large as (in² + 2·in·out)·e_a for the largest projection."""
+        after the module but as large as (in² + 2·in·out)·e for the largest projection."""
         if self.cfg.adapter.method != "dora":
             return 0
         targets = [t for t in target_projections(self.cfg.adapter)[0] if t != "lm_head"]
         shapes = self.shape.linear_shapes()
-        return max((self.e_adapter * (i * i + 2 * i * o) for i, o in (shapes[t] for t in targets)), default=0)
+        return max((self.e * (i * i + 2 * i * o) for i, o in (shapes[t] for t in targets)), default=0)
 
     def framework(self) -> int:
         return self.cal.framework_device_bytes if self.gpu else 0
@@ -1053,11 +1048,11 @@ class _Estimator:
             for g in groups:
                 opt_pinned.append(4 * self._part(g))  # fp32 master partition
                 opt_unpinned += 12 * self._part(g)  # states and the fp32 gradient of the step
-            opt_pinned.append(self.e_adapter * self._part(self.T))  # flat gradient partition buffer
+            opt_pinned.append(self.e * self._part(self.T))  # flat gradient partition buffer
         param_pinned: list[int] = []
         if self.offload_param:
             param_pinned = [self._part(p.numel) * self._bytes(p) for p in self.inv if not self._persistent(p) for _ in range(p.count)]
-            param_pinned += [self.e_adapter * self._part(g) for g in groups]
+            param_pinned += [self.e * self._part(g) for g in groups]
         pin = self.gpu and self.knobs.pin_memory
         rounding = sum(_pow2(x) - x for x in opt_pinned + param_pinned) if pin else 0
         cpu_tensors = 0 if self.gpu else int(device_peak * cal.host_cpu_tensor_factor)
