@@ -372,7 +372,7 @@ def _append_row(path: Path, row: dict[str, Any]) -> None:
 def fit_calibration(rows: list[dict[str, str]]) -> dict[str, float]:
     """Fit the stack-dependent constants to the measured rows. ``framework_device_bytes`` moves
     every GPU prediction by the same amount: its fit is the current value plus the median residual.
-    ``reserved_factor`` is the median measured reserved / allocated. On GPU the host baseline of a
+    ``reserved_factor`` (ZeRO 0-2) and ``reserved_factor_zero3`` are the medians of measured reserved / allocated. On GPU the host baseline of a
     worker and the share of the checkpoint resident while ZeRO 0-2 load it
     (``host_process_gpu_bytes``, ``host_load_factor_gpu``) are fitted together by least squares
     over the GPU rows at ZeRO 0-2 without offload, where a prediction is linear in both; on CPU the
@@ -383,7 +383,9 @@ def fit_calibration(rows: list[dict[str, str]]) -> dict[str, float]:
     if gpu:
         fitted["framework_device_bytes"] = max(0.0, statistics.median(
             float(r["meas_gpu_alloc_gib"]) - float(r["pred_gpu_alloc_gib"]) + float(r["base_framework_gib"]) for r in gpu)) * 1024**3
-        fitted["reserved_factor"] = statistics.median(float(r["meas_gpu_reserved_gib"]) / float(r["meas_gpu_alloc_gib"]) for r in gpu)
+        for key, rows_of_key in (("reserved_factor", [r for r in gpu if not _zero3(r)]), ("reserved_factor_zero3", [r for r in gpu if _zero3(r)])):
+            if rows_of_key:
+                fitted[key] = statistics.median(float(r["meas_gpu_reserved_gib"]) / float(r["meas_gpu_alloc_gib"]) for r in rows_of_key)
         fitted.update(_fit_gpu_host([r for r in gpu if r.get("overrides")]))
     cpu = [r for r in ok if r not in gpu]
     if cpu:
@@ -391,6 +393,10 @@ def fit_calibration(rows: list[dict[str, str]]) -> dict[str, float]:
             (float(r["meas_host_workers_gib"]) - float(r["pred_host_workers_gib"])) / int(r["workers"]) + float(r["base_host_process_gib"])
             for r in cpu) * 1024**3
     return fitted
+
+
+def _zero3(row: dict[str, str]) -> bool:
+    return "deepspeed.stage=3" in json.loads(row.get("overrides") or "[]")
 
 
 def _fit_gpu_host(rows: list[dict[str, str]]) -> dict[str, float]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import REPO, tiny_overrides
-from zerolab import adapters, memory
+from zerolab import adapters, ds_config, memory
 from zerolab.config import AdapterSpec, load_config
 from zerolab.memory import GIB, Limits, MemoryPreflightError, ModelShape, Option
 
@@ -119,6 +119,27 @@ def test_zero_stages_partition_what_they_should():
     assert s3.device["gathered parameters"] >= 2 * P * 0.99
     assert s0.device_peak > s1.device_peak >= s2.device_peak
     assert s1.device_phases["optimizer step"] > s2.device_phases["optimizer step"]  # whole vs partitioned gradients
+
+
+def test_zero3_memory_efficient_linear_keeps_frozen_projection_inputs(tmp_path):
+    """DeepSpeed's ZeRO-3 linear (its default) saves every projection's input, also where the
+    weight is frozen and no adapter keeps it: with LoRA on q/v only, gate/up's (h) and down's (I)."""
+    import json
+
+    def est(memory_efficient_linear: bool):
+        raw = json.loads((Path(ds_config.DS_CONFIG_DIR) / "zero3.json").read_text())
+        raw["zero_optimization"]["memory_efficient_linear"] = memory_efficient_linear
+        path = tmp_path / f"zero3-{memory_efficient_linear}.json"
+        path.write_text(json.dumps(raw))
+        cfg = load_config(None, ["adapter.target_modules=[q_proj,v_proj]", "adapter.dropout=0.0", "scaling.use_gpu=true",
+                                 "scaling.num_workers=2", "deepspeed.stage=3", f"deepspeed.config={path}",
+                                 "model.gradient_checkpointing=false", "data.max_seq_length=1024", "train.micro_batch_size=2"])
+        return memory.estimate(cfg, QWEN25_7B)
+
+    on, off = est(True), est(False)
+    h, inter, layers, tokens = 3584, 18944, 28, 2 * 1024
+    assert on.device["activations"] - off.device["activations"] == tokens * layers * 2 * (h + inter)
+    assert on.device_reserved / on.device_peak == pytest.approx(memory.DEFAULT_CALIBRATION.reserved_factor_zero3, rel=1e-6)
 
 
 def test_offload_moves_optimizer_and_parameters_to_host():

@@ -79,15 +79,17 @@ class Calibration:
     (H100 and 2 × H200, torch 2.11, DeepSpeed 0.19.8, Ray 2.60; ``bench/calibrate_memory.py``
     measures and fits them); CPU values were measured on the test machine."""
 
-    framework_device_bytes: int = 347 * MIB
+    framework_device_bytes: int = 106 * MIB
     """GPU memory that torch and DeepSpeed allocate through torch's allocator besides the model's
     tensors: cuBLAS workspaces, communication staging tensors, RNG state, bookkeeping tensors
     (fitted: the median residual of the measured allocated peaks)."""
-    reserved_factor: float = 1.22
-    """Peak reserved / peak allocated of torch's caching allocator (block rounding, fragmentation):
-    the median of the calibration runs. It is not a constant of the machine: measured 1.01 with
-    LoRA on one GPU, 1.16-1.27 without Liger's kernels or under ZeRO-3, 1.7-1.8 with two GPUs at
-    ZeRO 0/2 or full fine-tuning, 2.8 with ZeRO-3 offload."""
+    reserved_factor: float = 1.003
+    """Peak reserved / peak allocated of torch's caching allocator at ZeRO 0-2, with the expandable
+    segments zerolab's workers use (``zerolab.run.CUDA_ALLOC_CONF``): the median of the calibration
+    runs (1.001-1.004 with LoRA, 1.07 for full fine-tuning). With fixed-size blocks it was 1.01-2.8."""
+    reserved_factor_zero3: float = 1.061
+    """The same under ZeRO-3, which gathers and frees every frozen weight each pass (measured
+    1.04-1.06 with LoRA, 1.15 with parameter offload)."""
     cuda_context_bytes: int = 600 * MIB
     """Per GPU process, outside torch's allocator (so not in ``mem/gpu_*``, but on the card): CUDA
     context, loaded kernel images, cuBLAS/cuDNN handles."""
@@ -97,7 +99,7 @@ class Calibration:
     """Host RSS of one Ray Train worker training on CPU, without its tensors: Python, torch,
     transformers, peft, DeepSpeed, Ray's worker runtime (measured: 0.75-0.84 GiB per worker in
     runs of the tiny model, whose tensors take 0.1 GiB)."""
-    host_process_gpu_bytes: int = 1980 * MIB
+    host_process_gpu_bytes: int = 2105 * MIB
     """The same on a GPU worker: adds the CUDA runtime and the host side of the CUDA context, cuBLAS,
     cuDNN and NCCL (fitted, with ``host_load_factor_gpu``, to LoRA runs of the 0.5B and 7B shapes)."""
     host_load_factor: float = 1.0
@@ -105,7 +107,7 @@ class Calibration:
     is held on the host at once: CPU training, and rank 0 under ZeRO-3 (it reads the checkpoint,
     then partitions it). ``from_pretrained`` maps the safetensors files and pages come in as they
     are read; a dtype conversion adds a private copy. Measured +1.0× on CPU and under ZeRO-3 on GPU."""
-    host_load_factor_gpu: float = 0.288
+    host_load_factor_gpu: float = 0.285
     """The same for ZeRO 0-2 on GPU, where every rank loads the model and DeepSpeed moves it to its
     GPU: only part of the checkpoint is resident at the peak (fitted: 0.29× the file)."""
     host_cpu_tensor_factor: float = 1.5
@@ -503,7 +505,10 @@ class Estimate:
     @property
     def device_reserved(self) -> int:
         """Peak reserved by torch's caching allocator (compare with ``mem/gpu_peak_reserved_gib``)."""
-        return int(self.device_peak * self.calibration.reserved_factor) if self.use_gpu else self.device_peak
+        if not self.use_gpu:
+            return self.device_peak
+        cal = self.calibration
+        return int(self.device_peak * (cal.reserved_factor_zero3 if self.option.stage == 3 else cal.reserved_factor))
 
     @property
     def device_total(self) -> int:
