@@ -487,8 +487,14 @@ def clear_stale_build_locks(max_age_s: float = STALE_BUILD_LOCK_S) -> list[Path]
 
 
 def _setup_worker_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("zerolab").setLevel(logging.INFO)
+    # Its own handler: Ray has configured the worker's root logger already (basicConfig would do nothing).
+    ours = logging.getLogger("zerolab")
+    if not ours.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+        ours.addHandler(handler)
+        ours.propagate = False
+    ours.setLevel(logging.INFO)
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "transformers", "peft"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     quiet_ray_data_logging()
