@@ -50,7 +50,7 @@ class ModelSpec:
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "varlen"] = "sdpa"
     """Attention kernel; `varlen`: PyTorch's FlashAttention varlen kernel on packed batches (GPU; elsewhere `sdpa`); `flash_attention_2` needs the flash-attn package."""
     kernels: Literal["auto", "liger", "none"] = "auto"
-    """Fused Triton kernels (Liger Kernel: RMSNorm, SwiGLU, RoPE, linear + cross-entropy); `auto`: on GPU where the package is installed."""
+    """Fused kernels: Liger Kernel's Triton RMSNorm, SwiGLU, RoPE and linear + cross-entropy (`auto`: on GPU where the package is installed; `liger`: required) and LoRA's scale+add fused into one matrix product (any device, ZeRO 0-2); `none`: Hugging Face's and peft's own modules."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about a third more compute."""
     trust_remote_code: bool = False

@@ -76,7 +76,7 @@ class MemoryPreflightError(MemoryEstimateError):
 class Calibration:
     """Constants of the estimate that depend on the software stack rather than on the model's
     arithmetic. GPU values are fitted to the runs in ``docs/calibration/memory_calibration.md``
-    (H100 and 2 × H200, torch 2.11, DeepSpeed 0.19.8, Ray 2.60; ``bench/calibrate_memory.py``
+    (H100, 2 × and 4 × H200, torch 2.11, DeepSpeed 0.19.8, Ray 2.60; ``bench/calibrate_memory.py``
     measures and fits them); CPU values were measured on the test machine."""
 
     framework_device_bytes: int = 106 * MIB
