@@ -736,7 +736,7 @@ class _Estimator:
     # -- device components (bytes per worker)
     def weights(self) -> int:
         """ZeRO 0-2: every parameter on every rank, P·e. ZeRO-3: persistent parameters whole, the
-        rest ⌈numel/N⌉ each (adapters fp32); with parameter offload only the persistent ones stay."""
+        rest ⌈numel/N⌉ each; with parameter offload only the persistent ones stay."""
         if self.stage < 3:
             return sum(p.total * self._bytes(p) for p in self.inv)
         total = 0
