@@ -719,9 +719,6 @@ class _Estimator:
         self.T = sum(p.total for p in inventory if p.trainable)
 
     # -- helpers
-    def _bytes(self, p: ParamSpec) -> int:
-        return self.e  # adapters too: zerolab creates them in the model's dtype (zerolab.adapters)
-
     def _part(self, numel: int) -> int:
         """Elements of ``numel`` held by one rank under ZeRO partitioning (padded to a multiple of N)."""
         return math.ceil(numel / self.n)
@@ -738,13 +735,13 @@ class _Estimator:
         """ZeRO 0-2: every parameter on every rank, P·e. ZeRO-3: persistent parameters whole, the
         rest ⌈numel/N⌉ each; with parameter offload only the persistent ones stay."""
         if self.stage < 3:
-            return sum(p.total * self._bytes(p) for p in self.inv)
+            return self.P * self.e
         total = 0
         for p in self.inv:
             if self._persistent(p):
-                total += p.total * self._bytes(p)
+                total += p.total * self.e
             elif not self.offload_param:
-                total += self._part(p.numel) * p.count * self._bytes(p)
+                total += self._part(p.numel) * p.count * self.e
         return total
 
     def gathered(self) -> int:
@@ -758,12 +755,12 @@ class _Estimator:
         """
         if self.stage < 3 or (self.n == 1 and not self.offload_param):
             return 0
-        # Module -> its non-persistent parameters (name, numel, bytes); a tied head uses the embedding's.
-        modules: dict[str, list[tuple[str, int, int]]] = {}
+        # Module -> its non-persistent parameters (name, numel); a tied head uses the embedding's.
+        modules: dict[str, list[tuple[str, int]]] = {}
         for p in self.inv:
             if not self._persistent(p):
                 key = p.module.removeprefix("layers.")
-                modules.setdefault(key, []).append((p.name, p.numel, self._bytes(p)))
+                modules.setdefault(key, []).append((p.name, p.numel))
         if self.shape.tie_word_embeddings:
             modules["lm_head"] = modules.get("lm_head", []) + [m for m in modules.get("embed_tokens", []) if m[0] == "embed_tokens.weight"]
         layer_mods = [m for m in PROJECTIONS if m in modules]
@@ -780,23 +777,23 @@ class _Estimator:
             backward = list(reversed(forward))
         trace = forward + backward
 
-        def params_of(step: Step) -> list[tuple[tuple[str, int | None], int, int]]:
+        def params_of(step: Step) -> list[tuple[tuple[str, int | None], int]]:
             name, layer = step
-            return [((pname, layer), numel, nbytes) for pname, numel, nbytes in modules.get(name, [])]
+            return [((pname, layer), numel) for pname, numel in modules.get(name, [])]
 
         held: dict[tuple[str, int | None], int] = {}
         peak_step = len(forward) - 1  # the head's forward: the loss follows and the backward starts
         for k in range(peak_step + 1):
-            for pid, numel, nbytes in params_of(trace[k]):
-                held[pid] = numel * nbytes
+            for pid, numel in params_of(trace[k]):
+                held[pid] = numel * self.e
             if k == peak_step:
                 break
-            candidates = {pid for pid, _, _ in params_of(trace[k])}
+            candidates = {pid for pid, _ in params_of(trace[k])}
             traversed = 0
             for later in trace[k + 1:]:
                 if traversed >= self.knobs.max_reuse_distance or not candidates:
                     break
-                for pid, numel, _ in params_of(later):
+                for pid, numel in params_of(later):
                     candidates.discard(pid)
                     traversed += numel
             for pid in candidates:
@@ -1056,7 +1053,7 @@ class _Estimator:
             opt_pinned.append(self.e * self._part(self.T))  # flat gradient partition buffer
         param_pinned: list[int] = []
         if self.offload_param:
-            param_pinned = [self._part(p.numel) * self._bytes(p) for p in self.inv if not self._persistent(p) for _ in range(p.count)]
+            param_pinned = [self._part(p.numel) * self.e for p in self.inv if not self._persistent(p) for _ in range(p.count)]
             param_pinned += [self.e * self._part(g) for g in groups]
         pin = self.gpu and self.knobs.pin_memory
         rounding = sum(_pow2(x) - x for x in opt_pinned + param_pinned) if pin else 0
