@@ -372,20 +372,30 @@ def _append_row(path: Path, row: dict[str, Any]) -> None:
 def fit_calibration(rows: list[dict[str, str]]) -> dict[str, float]:
     """Fit the stack-dependent constants to the measured rows. ``framework_device_bytes`` moves
     every GPU prediction by the same amount: its fit is the current value plus the median residual.
-    ``reserved_factor`` (ZeRO 0-2) and ``reserved_factor_zero3`` are the medians of measured reserved / allocated. On GPU the host baseline of a
+    ``reserved_factor`` (ZeRO 0-2) and ``reserved_factor_zero3`` (without parameter offload) are the
+    medians of measured reserved / allocated; ``reserved_param_offload_bytes`` the median of measured
+    reserved − ``reserved_factor_zero3`` × allocated with parameter offload. On GPU the host baseline of a
     worker and the share of the checkpoint resident while ZeRO 0-2 load it
     (``host_process_gpu_bytes``, ``host_load_factor_gpu``) are fitted together by least squares
     over the GPU rows at ZeRO 0-2 without offload, where a prediction is linear in both; on CPU the
     baseline is the current value plus the median residual per worker."""
+    from zerolab.memory import DEFAULT_CALIBRATION
+
     ok = [r for r in rows if r.get("status") == "ok"]
     gpu = [r for r in ok if float(r["meas_gpu_alloc_gib"] or 0) > 0]
     fitted: dict[str, float] = {}
     if gpu:
         fitted["framework_device_bytes"] = max(0.0, statistics.median(
             float(r["meas_gpu_alloc_gib"]) - float(r["pred_gpu_alloc_gib"]) + float(r["base_framework_gib"]) for r in gpu)) * 1024**3
-        for key, rows_of_key in (("reserved_factor", [r for r in gpu if not _zero3(r)]), ("reserved_factor_zero3", [r for r in gpu if _zero3(r)])):
+        for key, rows_of_key in (("reserved_factor", [r for r in gpu if not _zero3(r)]),
+                                 ("reserved_factor_zero3", [r for r in gpu if _zero3(r) and not _param_offload(r)])):
             if rows_of_key:
                 fitted[key] = statistics.median(float(r["meas_gpu_reserved_gib"]) / float(r["meas_gpu_alloc_gib"]) for r in rows_of_key)
+        offload = [r for r in gpu if _zero3(r) and _param_offload(r)]
+        if offload:
+            factor = fitted.get("reserved_factor_zero3", DEFAULT_CALIBRATION.reserved_factor_zero3)
+            fitted["reserved_param_offload_bytes"] = max(0.0, statistics.median(
+                float(r["meas_gpu_reserved_gib"]) - factor * float(r["meas_gpu_alloc_gib"]) for r in offload)) * 1024**3
         fitted.update(_fit_gpu_host([r for r in gpu if r.get("overrides")]))
     cpu = [r for r in ok if r not in gpu]
     if cpu:
@@ -397,6 +407,10 @@ def fit_calibration(rows: list[dict[str, str]]) -> dict[str, float]:
 
 def _zero3(row: dict[str, str]) -> bool:
     return "deepspeed.stage=3" in json.loads(row.get("overrides") or "[]")
+
+
+def _param_offload(row: dict[str, str]) -> bool:
+    return "deepspeed.offload_param=true" in json.loads(row.get("overrides") or "[]")
 
 
 def _fit_gpu_host(rows: list[dict[str, str]]) -> dict[str, float]:

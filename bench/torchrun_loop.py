@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], help="zerolab mode: config overrides, as for jobs/sft.py")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="zerolab mode: after the measured steps, profile this many more and print where the GPU time goes")
+    p.add_argument("--memory-trace", action="store_true",
+                   help="zerolab mode: trace the CUDA allocator over the steps and print what holds the memory at their "
+                        "peak (bench/memory_trace.py; slows the steps)")
     args = p.parse_args(argv)
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -137,8 +140,20 @@ def zerolab_loop(args: argparse.Namespace, rows: list, device: torch.device, wor
         optimizer_step(engine, micro, device)
         return sum(b.num_tokens for b in micro)
 
-    for _ in range(args.steps):
-        meter.step_done(step())
+    def steps() -> None:
+        for _ in range(args.steps):
+            meter.step_done(step())
+
+    if args.memory_trace and device.type == "cuda":
+        from bench.memory_trace import format_breakdown, record
+
+        set_up = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+        trace = record(steps)
+        if dist.get_rank() == 0:
+            print(f"MEMTRACE set-up peaks: allocated {set_up[0] / 2**30:.3f} GiB, reserved {set_up[1] / 2**30:.3f} GiB")
+            print("\n".join(f"MEMTRACE {line}" for line in format_breakdown(trace).splitlines()))
+    else:
+        steps()
     result = meter.result(args.window)
     if args.profile_steps and dist.get_rank() == 0:
         _profile(step, args.profile_steps)

@@ -162,6 +162,31 @@ def test_offload_moves_optimizer_and_parameters_to_host():
     assert cpu.host_worker["pinned-memory rounding"] == 0  # nothing is pinned without CUDA
 
 
+def test_zero3_parameter_offload_peaks_at_the_forward_start():
+    """Measured with bench/memory_trace.py (7B LoRA, ZeRO-3 with parameter offload, checkpointing):
+    the peak comes at the first layer of the forward pass, with the embeddings gathered whole, the
+    fused loss's head still gathered from the step before and, over 2 GPUs, the partition of a
+    gather in flight copied to the GPU; the allocator caches a fitted constant on top."""
+    def est(workers: int, kernels: str, tied: bool = False):
+        cfg = gpu_cfg("adapter.method=lora", "deepspeed.stage=3", "deepspeed.offload_optimizer=true",
+                      "deepspeed.offload_param=true", f"model.kernels={kernels}", workers=workers)
+        return memory.estimate(cfg, {**QWEN25_7B, "tie_word_embeddings": tied})
+
+    def start(e: memory.Estimate) -> int:
+        return e.device_phases["forward start"]
+
+    V, h, e = 152064, 3584, 2
+    assert start(est(1, "liger")) - start(est(1, "liger", tied=True)) == e * V * h  # the separate head, held
+    assert start(est(1, "none")) - start(est(1, "none", tied=True)) == 0  # no fused loss: the head is released
+    assert start(est(2, "liger")) - start(est(1, "liger")) == e * -(-V * h // 2)  # a gather's partition in flight
+    two = est(2, "liger")
+    assert two.device_peak_phase == "forward start"
+    cal = memory.DEFAULT_CALIBRATION
+    assert two.device_reserved == int(two.device_peak * cal.reserved_factor_zero3) + cal.reserved_param_offload_bytes
+    no_offload = memory.estimate(gpu_cfg("adapter.method=lora", "deepspeed.stage=3", workers=2), QWEN25_7B)
+    assert no_offload.device_reserved == int(no_offload.device_peak * cal.reserved_factor_zero3)
+
+
 def test_checkpointing_and_batch_scale_activations():
     plain = memory.estimate(gpu_cfg("model.gradient_checkpointing=false"), QWEN25_7B)
     ckpt = memory.estimate(gpu_cfg(), QWEN25_7B)
@@ -399,3 +424,24 @@ def test_host_estimate_matches_a_cpu_run(ray_cluster, tmp_path, extra):
     measured = result.metrics["mem/host_rss_peak_gib"] * GIB
     predicted = memory.estimate(cfg, memory.load_model_config(cfg)).host_workers(2)
     assert abs(predicted - measured) <= 0.20 * measured, (predicted / GIB, measured / GIB)
+
+
+def test_memory_trace_replays_the_allocator_to_its_peak():
+    """bench/memory_trace.py, which found the ZeRO-3 offload terms: the live blocks at the highest
+    point, grouped by the allocating lines outside torch, and blocks from before the trace freed."""
+    from bench.memory_trace import peak_breakdown
+
+    def at(path: str, line: int) -> list[dict]:
+        return [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
+                {"filename": f"/x/site-packages/{path}", "line": line, "name": "f"}]
+
+    events = [dict(action="alloc", addr=1, size=100, frames=at("a.py", 1)),
+              dict(action="free_completed", addr=99, size=50, frames=[]),  # allocated before the trace
+              dict(action="alloc", addr=2, size=300, frames=at("b.py", 2)),
+              dict(action="alloc", addr=3, size=10, frames=at("a.py", 1)),
+              dict(action="free_completed", addr=2, size=300, frames=[]),
+              dict(action="alloc", addr=4, size=200, frames=at("c.py", 3))]
+    result = peak_breakdown({"device_traces": [events]}, before=1000)
+    assert result["peak"] == 1000 - 50 + 100 + 300 + 10
+    assert result["freed_from_before_peak"] == 50
+    assert result["groups"] == [("b.py:2 f", 300, [300]), ("a.py:1 f", 110, [100, 10])]

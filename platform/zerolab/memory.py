@@ -79,7 +79,7 @@ class Calibration:
     (H100, 2 × and 4 × H200, torch 2.11, DeepSpeed 0.19.8, Ray 2.60; ``bench/calibrate_memory.py``
     measures and fits them); CPU values were measured on the test machine."""
 
-    framework_device_bytes: int = 106 * MIB
+    framework_device_bytes: int = 93 * MIB
     """GPU memory that torch and DeepSpeed allocate through torch's allocator besides the model's
     tensors: cuBLAS workspaces, communication staging tensors, RNG state, bookkeeping tensors
     (fitted: the median residual of the measured allocated peaks)."""
@@ -87,9 +87,14 @@ class Calibration:
     """Peak reserved / peak allocated of torch's caching allocator at ZeRO 0-2, with the expandable
     segments zerolab's workers use (``zerolab.run.CUDA_ALLOC_CONF``): the median of the calibration
     runs (1.001-1.004 with LoRA, 1.07 for full fine-tuning). With fixed-size blocks it was 1.01-2.8."""
-    reserved_factor_zero3: float = 1.061
-    """The same under ZeRO-3, which gathers and frees every frozen weight each pass (measured
-    1.04-1.06 with LoRA, 1.15 with parameter offload)."""
+    reserved_factor_zero3: float = 1.049
+    """The same under ZeRO-3 without parameter offload, which gathers and frees every frozen weight
+    each pass (measured 1.04-1.06 with LoRA)."""
+    reserved_param_offload_bytes: int = 1354 * MIB
+    """ZeRO-3 with parameter offload: what the allocator holds on top of ``reserved_factor_zero3`` ×
+    allocated — the freed buffers of whole gathered parameters and of partitions copied from the
+    host, cached between modules (fitted: the median of measured reserved − factor × allocated;
+    measured 1.1-1.6 GiB on 0.5B and 7B, 1 and 2 GPUs)."""
     cuda_context_bytes: int = 600 * MIB
     """Per GPU process, outside torch's allocator (so not in ``mem/gpu_*``, but on the card): CUDA
     context, loaded kernel images, cuBLAS/cuDNN handles."""
@@ -508,7 +513,9 @@ class Estimate:
         if not self.use_gpu:
             return self.device_peak
         cal = self.calibration
-        return int(self.device_peak * (cal.reserved_factor_zero3 if self.option.stage == 3 else cal.reserved_factor))
+        if self.option.stage < 3:
+            return int(self.device_peak * cal.reserved_factor)
+        return int(self.device_peak * cal.reserved_factor_zero3) + (cal.reserved_param_offload_bytes if self.option.offload == "all" else 0)
 
     @property
     def device_total(self) -> int:
@@ -750,10 +757,11 @@ class _Estimator:
         DeepSpeed releases a module's parameters after use unless they are used again within the
         next ``stage3_max_reuse_distance`` elements of the recorded module trace (forward, then
         backward, re-running each layer's forward first under gradient checkpointing). Simulating
-        that rule on the trace gives what is held when the loss is computed, plus one prefetch
-        bucket. With N = 1 and no parameter offload, gathering is a view of the partition (0 bytes).
+        that rule on the trace gives what is held when the loss is computed, plus what is prefetched
+        for what comes next (``_prefetched``). With N = 1 and no parameter offload, gathering is a
+        view of the partition (0 bytes).
         """
-        if self.stage < 3 or (self.n == 1 and not self.offload_param):
+        if not self._gathers():
             return 0
         # Module -> its non-persistent parameters (name, numel); a tied head uses the embedding's.
         modules: dict[str, list[tuple[str, int]]] = {}
@@ -798,7 +806,33 @@ class _Estimator:
                     traversed += numel
             for pid in candidates:
                 held.pop(pid, None)
-        return sum(held.values()) + self.knobs.prefetch_bucket_size * self.e
+        return sum(held.values()) + self._prefetched()
+
+    def _gathers(self) -> bool:
+        """Whether ZeRO-3 gathers parameters into new buffers (not with N = 1 and no parameter offload)."""
+        return self.stage == 3 and (self.n > 1 or self.offload_param)
+
+    def _layer_gathered(self) -> int:
+        """One decoder layer's non-persistent parameters, whole: e·Σ numel."""
+        return sum(p.numel * self.e for p in self.inv if p.module.startswith("layers.") and not self._persistent(p))
+
+    def _prefetched(self) -> int:
+        """Parameters DeepSpeed fetches ahead of their use: one prefetch bucket (``stage3_prefetch_bucket_size``·e)."""
+        return self.knobs.prefetch_bucket_size * self.e
+
+    def gathered_at_start(self) -> int:
+        """ZeRO-3 at the first decoder layer of the forward pass: the embeddings whole, the first
+        layer and the prefetched next one; with Liger's fused loss the output head's weight as well
+        (the loss reads it outside the head module, so DeepSpeed keeps it gathered into the next
+        step); with parameter offload over N > 1 ranks, the partition copied to the GPU for a
+        gather in flight, ⌈numel/N⌉·e of the largest parameter. Measured with
+        ``bench/memory_trace.py`` (7B, LoRA, parameter offload, 2 GPUs): the step's peak is here."""
+        if not self._gathers():
+            return 0
+        big = {p.module: p.numel for p in self.inv if p.module in ("embed_tokens", "lm_head") and not p.adapter}
+        held = big.get("embed_tokens", 0) + (big.get("lm_head", 0) if self.fused_loss else 0)
+        staging = self._part(max(p.numel for p in self.inv if not self._persistent(p))) if self.offload_param and self.n > 1 else 0
+        return self.e * (held + staging) + self._layer_gathered() + self._prefetched()
 
     def master_weights(self) -> int:
         """fp32 copies of the trainable parameters: ZeRO-0 keeps 4·T when training in bf16/fp16 (none
@@ -982,13 +1016,16 @@ class _Estimator:
         gradient partition buffer, allocated at init). Optimizer
         step = persistent + gradients + DeepSpeed buffers + the last logits (``out`` still holds
         them). Init (ZeRO 1-2 flatten the trainable parameters into a new buffer) = persistent
-        without optimizer states + T·e."""
+        without optimizer states + T·e. ZeRO-3 forward start = persistent + held gradients + the
+        parameters gathered then (``gathered_at_start``) + the embeddings' output and the first
+        layer's activations, B·S·(e·h + the per-layer bytes)."""
         # ``out.logits`` lives until the next forward (the fused loss returns none).
         logits = 0 if self.fused_loss else self.e * self.shape.vocab_size * self.tokens
         saved, recompute = self.activations(), self.recomputed_layer()
         c = {
             "weights": self.weights(),
-            "gathered parameters": self.gathered(),
+            # The most gathered at once: at the start of the backward pass or of the forward pass.
+            "gathered parameters": max(self.gathered(), self.gathered_at_start()),
             "gradients": self.gradients(),
             "master weights": self.master_weights(),
             "optimizer states": self.optimizer_states(),
@@ -1004,9 +1041,12 @@ class _Estimator:
         peak_activity = max(self.logits_and_loss(), recompute + logits, self.dora_transient())
         phases = {
             "init": persistent - c["optimizer states"] + (self.T * self.e if self.stage in (1, 2) else 0),
-            "forward/backward": persistent + held_grads + c["gathered parameters"] + saved + peak_activity,
+            "forward/backward": persistent + held_grads + self.gathered() + saved + peak_activity,
             "optimizer step": persistent + c["gradients"] + c["deepspeed buffers"] + logits,
         }
+        if self._gathers():
+            first_layer = self.tokens * (self.e * self.shape.hidden_size + self.activation_bytes_per_layer())
+            phases["forward start"] = persistent + held_grads + self.gathered_at_start() + first_layer
         return c, phases
 
     # -- host components
