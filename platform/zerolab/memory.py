@@ -822,11 +822,12 @@ class _Estimator:
 
     def gathered_at_start(self) -> int:
         """ZeRO-3 at the first decoder layer of the forward pass: the embeddings whole, the first
-        layer and the prefetched next one; with Liger's fused loss the output head's weight as well
-        (the loss reads it outside the head module, so DeepSpeed keeps it gathered into the next
-        step); with parameter offload over N > 1 ranks, the partition copied to the GPU for a
-        gather in flight, ⌈numel/N⌉·e of the largest parameter. Measured with
-        ``bench/memory_trace.py`` (7B, LoRA, parameter offload, 2 GPUs): the step's peak is here."""
+        layer and one prefetch bucket (the next layer, at zerolab's bucket size); with Liger's fused
+        loss the output head's weight as well (the loss reads it outside the head module, so
+        DeepSpeed keeps it gathered into the next step); with parameter offload over N > 1 ranks,
+        the partition copied to the GPU for a gather in flight, ⌈numel/N⌉·e of the largest
+        parameter. Measured with ``bench/memory_trace.py`` (7B LoRA, parameter offload, 2 GPUs:
+        the step's peak is here; ``docs/benchmark/results/h200x2-4/memory_trace.txt``)."""
         if not self._gathers():
             return 0
         big = {p.module: p.numel for p in self.inv if p.module in ("embed_tokens", "lm_head") and not p.adapter}
