@@ -429,7 +429,11 @@ def test_host_estimate_matches_a_cpu_run(ray_cluster, tmp_path, extra):
 def test_memory_trace_replays_the_allocator_to_its_peak():
     """bench/memory_trace.py, which found the ZeRO-3 offload terms: the live blocks at the highest
     point, grouped by the allocating lines outside torch, and blocks from before the trace freed."""
-    from bench.memory_trace import peak_breakdown
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("memory_trace", REPO / "bench" / "memory_trace.py")
+    trace = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trace)
 
     def at(path: str, line: int) -> list[dict]:
         return [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
@@ -441,7 +445,7 @@ def test_memory_trace_replays_the_allocator_to_its_peak():
               dict(action="alloc", addr=3, size=10, frames=at("a.py", 1)),
               dict(action="free_completed", addr=2, size=300, frames=[]),
               dict(action="alloc", addr=4, size=200, frames=at("c.py", 3))]
-    result = peak_breakdown({"device_traces": [events]}, before=1000)
+    result = trace.peak_breakdown({"device_traces": [events]}, before=1000)
     assert result["peak"] == 1000 - 50 + 100 + 300 + 10
     assert result["freed_from_before_peak"] == 50
     assert result["groups"] == [("b.py:2 f", 300, [300]), ("a.py:1 f", 110, [100, 10])]
