@@ -1,10 +1,10 @@
 """What holds the GPU memory at a training step's peak: the CUDA caching allocator's history replayed.
 
 ``record(run)`` calls ``run`` (some training steps) with ``torch.cuda.memory._record_memory_history``
-on and returns the breakdown of the allocated bytes at the highest point: what was allocated before recording
-began (weights, states, buffers), and the blocks allocated during the steps that were alive at the
-peak, grouped by the lines that allocated them (the two innermost frames outside ``torch``'s own
-modules). ``bench/torchrun_loop.py --memory-trace N`` prints it; it is how the memory estimator's
+on and returns the breakdown of the allocated bytes at the highest point: what was allocated
+before recording began (weights, states, buffers), and the blocks allocated during the steps that
+were alive at the peak, grouped by the lines that allocated them (the two innermost frames outside ``torch``'s own
+modules). ``bench/torchrun_loop.py --memory-trace`` prints it; it is how the memory estimator's
 terms are checked against what a run holds.
 """
 

@@ -227,7 +227,8 @@ def _fused_loss_forward(self: Any, input_ids: torch.Tensor | None = None, attent
     targets = F.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1).to(hidden.device)
     reduction = "mean" if num_items_in_batch is None else "sum"
     # Under ZeRO-3 reading the partitioned head's weight here gathers it (DeepSpeed registers it as
-    # an external parameter of the model, released after its forward and backward).
+    # an external parameter of the model); it then stays gathered into the next step, which the
+    # memory estimate's ZeRO-3 forward-start phase counts.
     loss = liger_fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight, targets,
                                             ignore_index=-100, reduction=reduction)
     if num_items_in_batch is not None:

@@ -893,7 +893,8 @@ class _Estimator:
         (2·e·out). With Liger's kernels (``zerolab.kernels``) each RMSNorm keeps its
         input in e and the fp32 rsqrt (e·h + 4, also when its weight trains) and SwiGLU keeps the
         gate and up outputs only (2·e·I). Under ZeRO-3 with DeepSpeed's ``memory_efficient_linear``
-        (its default) every projection keeps its input, frozen or not: e·h for q/k/v and for gate/up, e·I for down, where nothing else keeps them.
+        (its default) every projection keeps its input, frozen or not: e·h for q/k/v and for
+        gate/up, e·I for down, where nothing else keeps them.
         """
         s, e = self.shape, self.e
         h, inter, s_len = s.hidden_size, s.intermediate_size, self.cfg.data.max_seq_length
