@@ -3,10 +3,12 @@
     ray job submit --working-dir . -- python jobs/sft.py --config jobs/configs/math_tiny.yaml --set adapter.r=16
     python jobs/sft.py        # embedded default: tiny Qwen2 on math_sum, 2 CPU workers, ZeRO-2, ~2 minutes
 
-A run whose name exists resumes from its last checkpoint; Ctrl-C checkpoints and stops (relaunch resumes).
-Before launching, the memory estimator checks the job fits the nodes' GPUs and RAM (--force skips the refusal).
-Exit codes: 0 done, 1 training failed, 2 bad configuration, data, checkpoint, environment or memory (nothing
-ran), 130 stopped by Ctrl-C/SIGTERM.
+Each launch is a new run unless run.name names one: an unfinished run resumes from its last good checkpoint,
+a finished one is left as it is (say so with a new name, --restart, or more train.max_steps). Ctrl-C
+checkpoints and stops, and prints the command that resumes. Before launching, the memory estimator checks the
+job fits the nodes' GPUs and RAM (--force skips the refusal).
+Exit codes: 0 done, 1 training failed, 2 bad configuration, data, run folder, environment or memory (nothing
+ran), 3 stopped at run.max_wall_time_s (resumable), 130 stopped by Ctrl-C/SIGTERM (resumable).
 """
 
 from __future__ import annotations
@@ -31,10 +33,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from zerolab.cli import run_job
     from zerolab.config import load_config
-    from zerolab.run import run_sft
+    from zerolab.run import run_sft, shutdown_ray
 
-    code, message = run_job(lambda: run_sft(load_config(args.config, args.set), config_file=args.config,
-                                            restart=args.restart, force=args.force))
+    try:
+        code, message = run_job(lambda: run_sft(load_config(args.config, args.set), config_file=args.config,
+                                                restart=args.restart, force=args.force),
+                                command=sys.argv if argv is None else ["jobs/sft.py", *argv])
+    finally:
+        shutdown_ray()
     print(message, file=sys.stdout if code == 0 else sys.stderr)
     return code
 

@@ -89,8 +89,11 @@ def test_registered_adapter_loads_with_peft(store, tmp_path, tiny_model_path):
     run_id, _ = tracking.open_run(store, "registry", f"job-{tmp_path.name}")
     tracking.log_artifact(store, run_id, tmp_path / "adapter", "adapter")
     name = f"reg-{tmp_path.name}"
-    version = tracking.register_model(store, run_id, "adapter", name, "candidate", tags={"train/loss": "1.23"})
-    assert tracking.register_model(store, run_id, "adapter", name, "candidate") == version  # a relaunch: same version
+    version = tracking.register_model(store, run_id, "adapter", name, "candidate", 4, tags={"train/loss": "1.23"})
+    assert tracking.register_model(store, run_id, "adapter", name, "candidate", 4) == version  # the same adapter: same version
+    continued = tracking.register_model(store, run_id, "adapter", name, "candidate", 8)  # trained further: a new one
+    assert int(continued) == int(version) + 1
+    assert tracking.register_model(store, run_id, "adapter", name, "candidate", 4) == version
 
     client = tracking.mlflow_client(store)
     mv = client.get_model_version_by_alias(name, "candidate")

@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import re
 import types
 import typing
@@ -162,12 +163,14 @@ class ScalingSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class RunSpec:
-    name: str = "sft-math_sum-tiny"
-    """Run name: Ray Train run folder and MLflow run; relaunching the same name resumes it."""
+    name: str | None = None
+    """Run name: Ray Train run folder and MLflow run; empty: a new name for each launch (`<task>-<model>-<date>-<time>`); naming an unfinished run resumes it."""
     storage_path: str = "~/zerolab_runs"
     """Where checkpoints and outputs go: a shared local/NFS folder or s3:// / gs:// URI."""
     max_failures: int = 0
     """Worker-group failures retried from the last checkpoint before the run fails."""
+    max_wall_time_s: float | None = None
+    """Seconds from launch after which the workers save a checkpoint and stop (exit 3; a relaunch resumes); empty: no limit."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -365,7 +368,8 @@ def validate(cfg: SFTConfig) -> list[str]:
         if m.kernels == "liger":
             p.append("model.kernels: liger needs a GPU (its kernels are Triton); use auto or none with scaling.use_gpu=false")
 
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", r.name):
+    positive("run.max_wall_time_s", r.max_wall_time_s, allow_none=True)
+    if r.name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", r.name):
         p.append(f"run.name: {r.name!r} must be 1-128 letters, digits, '.', '_' or '-' (it names folders and the MLflow run)")
     if not cfg.tracking.experiment.strip():
         p.append("tracking.experiment: empty; give an experiment name")
@@ -458,10 +462,10 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
         if isinstance(value, str):
             # PyYAML (YAML 1.1) reads exponent forms such as 3e-4 as strings.
             try:
-                return True, float(value)
+                value = float(value)
             except ValueError:
                 return False, None
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         return ok, float(value) if ok else None
     if tp is str:
         return isinstance(value, str), value
@@ -476,7 +480,7 @@ def _describe(tp: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in args)
     if origin is tuple:
         return f"a list of {_describe(args[0])}"
-    return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}[tp]
+    return {bool: "true/false", int: "an integer", float: "a finite number", str: "a string"}[tp]
 
 
 def _fix_hint(tp: Any) -> str:

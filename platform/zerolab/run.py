@@ -4,19 +4,21 @@ worker starts, prepare the data, open the MLflow run and run the ``TorchTrainer`
 from __future__ import annotations
 
 import contextlib
+import datetime
 import importlib.metadata
 import json
 import logging
 import os
 import platform as _platform
 import re
+import secrets
 import signal
 import socket
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +26,10 @@ import yaml
 
 import zerolab
 from zerolab import ds_config, tracking
-from zerolab.checkpoints import prepare_run_folder
+from zerolab.checkpoints import RunFolder, RunRecord, prepare_run_folder
 from zerolab.config import ConfigError, SFTConfig
 from zerolab.data import DataError, SplitReport, prepare_split, quiet_ray_data_logging
+from zerolab.errors import UserError
 from zerolab.models import cache_dir, linear_module_names, resolve_model_path
 from zerolab.tasks import generate_dataset, get_task
 
@@ -37,7 +40,7 @@ CUDA_ALLOC_CONF = "expandable_segments:True"
 """The workers' ``PYTORCH_CUDA_ALLOC_CONF`` unless the driver's environment sets one."""
 
 
-class EnvironmentProblem(RuntimeError):
+class EnvironmentProblem(UserError):
     """The machine or cluster cannot run the job as configured; the message says what to do."""
 
 
@@ -56,85 +59,164 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
             parent_run_id: str | None = None, in_tune: bool = False) -> RunResult:
     """Run one SFT job end to end and return where its results are.
 
-    A job whose run folder exists resumes from its latest checkpoint; ``restart`` discards the
-    folder first. Raises ConfigError, DataError, ModelLoadError, CheckpointError or
-    EnvironmentProblem for user-fixable problems, and MemoryPreflightError for a job the memory
-    estimator says cannot fit the cluster's GPUs or RAM (unless ``force``), before any worker starts. The first SIGINT or
-    SIGTERM asks the workers to checkpoint and stop at the next step (the run ends KILLED and a
-    relaunch resumes it); a second one aborts at once.
+    A run is its run folder (``run.storage_path/run.name``) plus its MLflow run, each recording the
+    other. An empty ``run.name`` names a new run for this launch. Naming an unfinished run resumes
+    it from its newest good checkpoint; naming a finished one raises RunFinished (nothing trains,
+    nothing is registered) unless ``train.max_steps`` grows past its last step, which continues
+    it; ``restart`` discards the run first. The run folder is locked while the job runs.
+
+    Raises a UserError subclass (ConfigError, DataError, ModelLoadError, CheckpointError,
+    EnvironmentProblem, TrackingUnavailable, MemoryPreflightError unless ``force``) for
+    user-fixable problems, before any worker starts. The first SIGINT or SIGTERM asks the workers
+    to checkpoint and stop at the next logging step (the run ends KILLED and a relaunch resumes
+    it); a second one aborts at once. ``run.max_wall_time_s`` stops the run the same way
+    (DeadlineReached).
 
     Under Ray Tune (``in_tune``, from :mod:`zerolab.tune`) every logged window is reported to the
     trial, and the MLflow run is a child of ``parent_run_id``.
     """
-    connect_ray(cfg)
-    check_resources(cfg)
-    model_path = resolve_model_path(cfg.model.name_or_path)
-    resolved_ds = check_against_model(cfg)
-    memory = check_memory(cfg, force=force)
-    splits, reports = prepare_data(cfg, model_path)
-    resume_from = prepare_run_folder(cfg, storage_path(cfg), restart=restart)
-    if resume_from:
-        logger.info("resuming %s from %s", cfg.run.name, resume_from)
+    launched = time.time()
+    cfg = with_run_name(cfg)
+    storage = storage_path(cfg)
+    folder = RunFolder.of(cfg, storage)
+    with folder.locked():
+        resume = prepare_run_folder(cfg, storage, restart=restart)
+        uri = _store_of(cfg, storage, resume.record)
+        tracking.check_store(uri)
+        connect_ray(cfg)
+        check_resources(cfg)
+        model_path = resolve_model_path(cfg.model.name_or_path)
+        resolved_ds = check_against_model(cfg)
+        memory = check_memory(cfg, force=force)
+        splits, reports = prepare_data(cfg, model_path)
+        if resume.checkpoint:
+            logger.info("%s %s from %s", "continuing finished run" if resume.extends else "resuming", cfg.run.name, resume.checkpoint)
+        warn_if_node_local(uri)
+        commit = tracking.git_commit()
+        tags = {**run_tags(cfg, commit), tracking.RUN_FOLDER_TAG: tracking.mask_text(folder.uri),
+                **({"mlflow.parentRunId": parent_run_id} if parent_run_id else {})}
+        recorded_id = resume.record.run_id if resume.record and resume.record.tracking_uri == tracking.mask_text(uri) else None
+        run_id, resumed = tracking.open_run(uri, cfg.tracking.experiment, cfg.run.name, tags=tags, new=restart, run_id=recorded_id)
+        logger.info("MLflow run %s (%s) in experiment '%s' at %s", run_id, "resumed" if resumed else "new", cfg.tracking.experiment,
+                    tracking.mask_text(uri))
+        record = RunRecord(config=tracking.mask_params(cfg.flat()), tracking_uri=tracking.mask_text(uri),
+                           experiment=cfg.tracking.experiment, run_id=run_id,
+                           **({"started_at": resume.record.started_at} if resume.record else {}))
+        status = "FAILED"
+        try:
+            tracking.log_params(uri, run_id, tracking.mask_params({**cfg.flat(), **derived_params(cfg, reports, commit), **memory.params()}))
+            tracking.MetricsLogger(uri, run_id).log(memory.predicted(), step=0)
+            _log_inputs(uri, run_id, cfg, resolved_ds, reports, config_file)
+            folder.write_record(record)  # training begins
+            deadline = launched + cfg.run.max_wall_time_s if cfg.run.max_wall_time_s else None
+            stop = StopSignal(cfg.train.log_every_n_steps)
+            with stop.installed():
+                result = stop.fit(build_trainer(cfg, resolved_ds, splits, uri, run_id, stop.flag, in_tune=in_tune, deadline=deadline))
+            checkpoint = result.checkpoint
+            assert checkpoint is not None, "the run finished without a final checkpoint"
+            metrics = dict(result.metrics or {})
+            step = int(metrics.get("step", 0))
+            record.step, record.checkpoint = step, checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
+            tracking.MetricsLogger(uri, run_id).log(memory.errors(metrics), step=step)
+            if metrics.get("stopped"):
+                status, record.status = "KILLED", "stopped"
+                cause = DeadlineReached if metrics["stopped"] == STOPPED_AT_DEADLINE else Interrupted
+                why = f"run.max_wall_time_s={cfg.run.max_wall_time_s:g} reached" if cause is DeadlineReached else "stopped on request"
+                raise cause(f"{why} at step {step}; checkpoint saved at {checkpoint.path}. Resume the run with run.name={cfg.run.name}.",
+                            run_name=cfg.run.name)
+            with checkpoint.as_directory() as ckpt:
+                tracking.log_artifact(uri, run_id, Path(ckpt) / "adapter", "adapter")
+            if cfg.tracking.register:
+                name = cfg.tracking.registered_model or cfg.run.name
+                version = tracking.register_model(uri, run_id, "adapter", name, cfg.tracking.model_alias or None, step,
+                                                  tags={"run_name": cfg.run.name, **_final_metric_tags(metrics)})
+                alias = f"@{cfg.tracking.model_alias}" if cfg.tracking.model_alias else f"/{version}"
+                record.registered = f"models:/{name}/{version}"
+                logger.info("registered as %s version %s (models:/%s%s)", name, version, name, alias)
+            if cfg.eval.enabled:
+                from zerolab.evaluate import evaluate_after_training
 
-    uri = tracking.tracking_uri(cfg.tracking.uri)
-    warn_if_node_local(uri)
-    commit = tracking.git_commit()
-    tags = {**run_tags(cfg, commit), **({"mlflow.parentRunId": parent_run_id} if parent_run_id else {})}
-    run_id, resumed = tracking.open_run(uri, cfg.tracking.experiment, cfg.run.name, tags=tags, new=restart)
-    logger.info("MLflow run %s (%s) in experiment '%s' at %s", run_id, "resumed" if resumed else "new", cfg.tracking.experiment,
-                tracking.mask_text(uri))
-    status = "FAILED"
-    try:
-        tracking.log_params(uri, run_id, tracking.mask_params({**cfg.flat(), **derived_params(cfg, reports, commit), **memory.params()}))
-        tracking.MetricsLogger(uri, run_id).log(memory.predicted(), step=0)
-        _log_inputs(uri, run_id, cfg, resolved_ds, reports, config_file)
-        stop = StopSignal()
-        with stop.installed():
-            result = stop.fit(build_trainer(cfg, resolved_ds, splits, uri, run_id, stop.flag, in_tune=in_tune))
-        checkpoint = result.checkpoint
-        assert checkpoint is not None, "the run finished without a final checkpoint"
-        metrics = dict(result.metrics or {})
-        tracking.MetricsLogger(uri, run_id).log(memory.errors(metrics), step=int(metrics.get("step", 0)))
-        if metrics.get("stopped"):
-            status = "KILLED"
-            raise Interrupted(f"stopped at step {metrics['step']}; checkpoint saved at {checkpoint.path}. "
-                              "Relaunch the same command to resume.")
-        with checkpoint.as_directory() as folder:
-            tracking.log_artifact(uri, run_id, Path(folder) / "adapter", "adapter")
-        if cfg.tracking.register:
-            name = cfg.tracking.registered_model or cfg.run.name
-            version = tracking.register_model(uri, run_id, "adapter", name, cfg.tracking.model_alias or None,
-                                              tags={"run_name": cfg.run.name, **_final_metric_tags(metrics)})
-            alias = f"@{cfg.tracking.model_alias}" if cfg.tracking.model_alias else f"/{version}"
-            logger.info("registered as %s version %s (models:/%s%s)", name, version, name, alias)
-        if cfg.eval.enabled:
-            from zerolab.evaluate import evaluate_after_training
+                with checkpoint.as_directory() as ckpt:
+                    evaluate_after_training(cfg, uri, run_id, Path(ckpt) / "adapter", step=step)
+            status, record.status = "FINISHED", "finished"
+            adapter = f"{checkpoint.path.rstrip('/')}/adapter"
+            return RunResult(run_id=run_id, run_name=cfg.run.name, tracking_uri=uri, checkpoint_path=checkpoint.path,
+                             adapter_path=adapter, metrics=metrics, data={k: r.to_dict() for k, r in reports.items()})
+        except KeyboardInterrupt:
+            status, record.status = "KILLED", "stopped"
+            raise
+        finally:
+            tracking.close_run(uri, run_id, status)
+            _settle_record(folder, record, status)
 
-            with checkpoint.as_directory() as folder:
-                evaluate_after_training(cfg, uri, run_id, Path(folder) / "adapter", step=int(metrics.get("step", 0)))
-        status = "FINISHED"
-        adapter = f"{checkpoint.path.rstrip('/')}/adapter"
-        return RunResult(run_id=run_id, run_name=cfg.run.name, tracking_uri=uri, checkpoint_path=checkpoint.path,
-                         adapter_path=adapter, metrics=metrics, data={k: r.to_dict() for k, r in reports.items()})
-    except KeyboardInterrupt:
-        status = "KILLED"
-        raise
-    finally:
-        tracking.close_run(uri, run_id, status)
+
+STOPPED_ON_REQUEST = 1
+STOPPED_AT_DEADLINE = 2
+"""Values of the ``stopped`` metric a stopped run reports."""
+
+
+def with_run_name(cfg: SFTConfig) -> SFTConfig:
+    """``cfg`` with its run named: an empty ``run.name`` becomes ``<task>-<model>-<UTC date>-<time>-<4 hex>``,
+    new for every launch, and its adapter is registered under ``<task>-<model>`` (unless
+    ``tracking.registered_model`` says otherwise), so the versions of such runs share one name."""
+    if cfg.run.name:
+        return cfg
+    model = re.sub(r"[^A-Za-z0-9._-]+", "-", cfg.model.name_or_path.rstrip("/").rsplit("/", 1)[-1].split(":")[-1]).strip("-.")
+    family = f"{cfg.data.task}-{model[:40] or 'model'}"
+    name = f"{family}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
+    return cfg.replace(run=replace(cfg.run, name=name),
+                       tracking=replace(cfg.tracking, registered_model=cfg.tracking.registered_model or family))
+
+
+def _store_of(cfg: SFTConfig, storage: str, record: RunRecord | None) -> str:
+    """The MLflow store of this launch: the configured one, else the one the run recorded (so a
+    relaunch from another working directory continues the same record), else the default."""
+    configured = cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not configured and record is not None and record.tracking_uri and tracking.MASK not in record.tracking_uri:
+        return record.tracking_uri
+    return tracking.tracking_uri(cfg.tracking.uri, storage)
+
+
+def _settle_record(folder: RunFolder, record: RunRecord, mlflow_status: str) -> None:
+    """Write how the launch ended into the run's record; a launch that left no checkpoint trained
+    nothing a relaunch could resume, so it leaves no record (and no config to be held to)."""
+    if folder.latest_checkpoint() is None:
+        folder.forget_record()
+        return
+    if record.status == "training" and mlflow_status == "FAILED":
+        record.status = "failed"
+    record.ended_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    record.step = record.step if record.step is not None else _checkpoint_step(folder.latest_checkpoint())
+    record.checkpoint = record.checkpoint or folder.latest_checkpoint()
+    folder.write_record(record)
+
+
+def _checkpoint_step(name: str | None) -> int | None:
+    return int(name.rsplit("_", 1)[-1]) if name and name.rsplit("_", 1)[-1].isdigit() else None
 
 
 class Interrupted(RuntimeError):
     """The run stopped on request after saving a checkpoint."""
 
+    def __init__(self, message: str, *, run_name: str | None = None) -> None:
+        super().__init__(message)
+        self.run_name = run_name
+
+
+class DeadlineReached(Interrupted):
+    """The run stopped at ``run.max_wall_time_s`` after saving a checkpoint."""
+
 
 class StopSignal:
-    """A flag the workers poll once per step, set by the first SIGINT/SIGTERM the driver gets.
+    """A flag set by the first SIGINT/SIGTERM the driver gets, read by the workers at logging steps.
 
-    Rank 0 reads it and shares it through the step's all-reduce, so every rank stops after the
-    same step and joins the final checkpoint's collectives.
+    Rank 0 reads it at each logging step, where the loop synchronises anyway, and shares it through
+    that step's all-reduce, so every rank stops after the same step and joins the final
+    checkpoint's collectives; reading it every step would cost a device sync per step.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, log_every_n_steps: int) -> None:
+        self.log_every_n_steps = log_every_n_steps
         import ray
 
         @ray.remote(num_cpus=0)
@@ -158,8 +240,9 @@ class StopSignal:
             raise KeyboardInterrupt
         self._requested = True
         self.flag.set.remote()
-        logger.warning("%s received: the workers will save a checkpoint and stop after the current step "
-                       "(send it again to abort without a checkpoint)", signal.Signals(signum).name)
+        logger.warning("%s received: the workers will save a checkpoint and stop at the next logging step (within "
+                       "train.log_every_n_steps=%d steps); send it again to abort without a checkpoint",
+                       signal.Signals(signum).name, self.log_every_n_steps)
 
     @staticmethod
     def fit(trainer: Any) -> Any:
@@ -232,6 +315,39 @@ def connect_ray(cfg: SFTConfig, *, log_to_driver: bool = True) -> None:
             "`ray start --head`, fix RAY_ADDRESS, or unset it to run on a local Ray instance."
         ) from None
     quiet_ray_data_logging()
+
+
+TRAIN_ACTORS = ("TrainController", "PlacementGroupCleaner")
+"""Ray Train's actors that outlive ``fit()`` by a moment while they wind down."""
+
+
+def shutdown_ray(timeout_s: float = 15.0) -> None:
+    """Shut down the Ray instance this process started, after Ray Train's own actors have exited.
+
+    ``fit()`` returns while the train controller and its detached placement-group cleaner are
+    still winding down; shutting the local cluster down under them made them print GCS time-outs
+    and ``GetTimeoutError`` tracebacks after a successful run. A job joined to a cluster
+    (``RAY_ADDRESS``) only disconnects, which leaves the cluster's actors alone.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        return
+    if not os.environ.get("RAY_ADDRESS"):
+        from ray.util.state import list_actors
+        from ray.util.state.exception import RayStateApiException
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                alive = list_actors(filters=[("state", "=", "ALIVE")], timeout=5, raise_on_missing_output=False)
+            except (RayStateApiException, ConnectionError, TimeoutError) as exc:  # best effort: shutting down is what matters
+                logger.debug("could not list Ray actors before shutdown: %s", exc)
+                break
+            if not any(a.class_name in TRAIN_ACTORS for a in alive):
+                break
+            time.sleep(0.25)
+    ray.shutdown()
 
 
 def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
@@ -496,7 +612,7 @@ def _log_inputs(uri: str, run_id: str, cfg: SFTConfig, resolved_ds: dict[str, An
 
 
 def build_trainer(cfg: SFTConfig, resolved_ds: dict[str, Any], datasets: dict[str, Any], uri: str | None, run_id: str | None,
-                  stop_flag: Any = None, *, in_tune: bool = False) -> Any:
+                  stop_flag: Any = None, *, in_tune: bool = False, deadline: float | None = None) -> Any:
     """The TorchTrainer for this job (Ray Train V2): same name and storage path = same run, resumed."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -514,6 +630,7 @@ def build_trainer(cfg: SFTConfig, resolved_ds: dict[str, Any], datasets: dict[st
             "deepspeed": resolved_ds,
             "tracking": {"uri": uri, "run_id": run_id} if run_id else None,
             "stop_flag": stop_flag,
+            "deadline_unix": deadline,
             "report_every_log": in_tune,
         },
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),

@@ -16,21 +16,71 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from zerolab.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 RUN_NAME_TAG = "zerolab.run_name"
+RUN_FOLDER_TAG = "zerolab.run_folder"
+STEP_TAG = "zerolab.step"
+"""On a registered version: the training step of the adapter it holds."""
 MAX_PARAM_LENGTH = 6000
 """MLflow rejects longer param values; those go to the config artifact only."""
 
 
-def tracking_uri(configured: str | None) -> str:
-    """``tracking.uri``, else $MLFLOW_TRACKING_URI, else ``sqlite:///<cwd>/mlflow.db`` (absolute, so workers find it)."""
+def tracking_uri(configured: str | None, storage_path: str | None = None) -> str:
+    """``tracking.uri``, else $MLFLOW_TRACKING_URI, else a SQLite store beside the run folders
+    (``<run.storage_path>/mlflow.db``; ``~/zerolab_runs/mlflow.db`` when storage is remote), so the
+    record lives as long as the runs it describes: not in a working directory that ``ray job
+    submit`` deletes with the Ray session. ``storage_path`` defaults to ``run.storage_path``'s default.
+    Relative SQLite paths are made absolute, so workers find them."""
+    from zerolab.config import RunSpec
+
+    storage_path = storage_path or RunSpec.storage_path
     uri = configured or os.environ.get("MLFLOW_TRACKING_URI")
     if uri:
         if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
             return "sqlite:///" + str(Path(uri[len("sqlite:///"):]).expanduser().resolve())
         return uri
-    return "sqlite:///" + str(Path.cwd() / "mlflow.db")
+    root = Path(storage_path if "://" not in storage_path else RunSpec.storage_path).expanduser().resolve()
+    return "sqlite:///" + str(root / "mlflow.db")
+
+
+class TrackingUnavailable(UserError):
+    """The MLflow store cannot be reached or written; the message names it and the fix."""
+
+
+def check_store(uri: str, timeout_s: float = 5.0) -> None:
+    """Fail in seconds, before anything starts, when the MLflow store cannot be used: a server
+    that does not answer its health check, or a SQLite file whose folder cannot be written.
+    (MLflow's client retries an unreachable server for minutes.)"""
+    shown = mask_text(uri)
+    fix = "start it, fix tracking.uri (or MLFLOW_TRACKING_URI), or unset both to use the local store beside the runs"
+    if uri.startswith(("http://", "https://")):
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"{_without_userinfo(uri).rstrip('/')}/health", timeout=timeout_s):
+                return
+        except urllib.error.HTTPError:
+            return  # it answers: the server is up (authentication is checked by the first real call)
+        except (OSError, ValueError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise TrackingUnavailable(f"tracking.uri: the MLflow server at {shown} does not answer ({reason}); {fix}") from None
+    if uri.startswith("sqlite:///"):
+        folder = Path(uri[len("sqlite:///"):]).parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TrackingUnavailable(f"tracking.uri: cannot create the folder of the MLflow store {shown} ({exc.strerror}); "
+                                      f"{fix}") from None
+        if not os.access(folder, os.W_OK):
+            raise TrackingUnavailable(f"tracking.uri: the folder of the MLflow store {shown} is not writable; {fix}")
+
+
+def _without_userinfo(uri: str) -> str:
+    return _URL_USERINFO.sub(lambda m: m["scheme"], uri)
 
 
 # --- secrets ----------------------------------------------------------------------------------
@@ -83,10 +133,21 @@ def mlflow_client(uri: str) -> Any:
     return MlflowClient(tracking_uri=uri)
 
 
-def open_run(uri: str, experiment: str, run_name: str, tags: dict[str, str] | None = None, *, new: bool = False) -> tuple[str, bool]:
-    """Find the newest run named ``run_name`` in ``experiment`` (unless ``new``) or create one;
-    returns (run_id, resumed)."""
+def open_run(uri: str, experiment: str, run_name: str, tags: dict[str, str] | None = None, *, new: bool = False,
+             run_id: str | None = None) -> tuple[str, bool]:
+    """Continue ``run_id`` (the run a run folder recorded) if this store has it, else the newest run
+    named ``run_name`` in ``experiment`` (unless ``new``), else create one; returns (run_id, resumed)."""
+    from mlflow.exceptions import MlflowException
+
     client = mlflow_client(uri)
+    if run_id and not new:
+        try:
+            client.get_run(run_id)
+        except MlflowException:
+            logger.warning("MLflow run %s recorded by the run folder is not in %s; looking it up by name", run_id, mask_text(uri))
+        else:
+            client.update_run(run_id, status="RUNNING")
+            return run_id, True
     exp = client.get_experiment_by_name(experiment)
     # The kind makes MLflow's UI open the experiment in its model-training view (runs, charts).
     experiment_id = exp.experiment_id if exp is not None else client.create_experiment(
@@ -168,7 +229,7 @@ class MetricsLogger:
                 self._last_step[m.key] = step
 
 
-def register_model(uri: str, run_id: str, artifact_path: str, name: str, alias: str | None,
+def register_model(uri: str, run_id: str, artifact_path: str, name: str, alias: str | None, step: int,
                    tags: dict[str, str] | None = None) -> str:
     """Register the run's ``artifact_path`` (a PEFT adapter or HF model folder) as a new version of
     ``name`` in the Model Registry, point ``alias`` at it, and return the version.
@@ -185,12 +246,13 @@ def register_model(uri: str, run_id: str, artifact_path: str, name: str, alias: 
     except MlflowException as exc:
         if exc.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
-    existing = client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
+    existing = [v for v in client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
+                if v.tags.get(STEP_TAG) == str(step)]
     if existing:
         version = existing[0]
     else:
         source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{artifact_path}"
-        version = client.create_model_version(name, source, run_id=run_id, tags=tags)
+        version = client.create_model_version(name, source, run_id=run_id, tags={**(tags or {}), STEP_TAG: str(step)})
     if alias:
         client.set_registered_model_alias(name, alias, version.version)
     return str(version.version)

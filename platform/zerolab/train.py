@@ -103,8 +103,9 @@ def train_loop_per_worker(config: dict) -> None:
 
     flops_per_token = perf.train_flops_per_token(total, trainable, cfg.adapter.method == "full")
     peak_flops = perf.peak_flops(device) * world
-    stop_flag = config.get("stop_flag")
-    # Sum of step losses, non-padding tokens, and rank 0's "stop requested" (all-reduced together).
+    stop_flag, deadline = config.get("stop_flag"), config.get("deadline_unix")
+    # Sum of step losses, non-padding tokens, and rank 0's stop code (all-reduced together):
+    # 1 stop requested by the driver, 2 the next window would end past run.max_wall_time_s.
     window = torch.zeros(3, dtype=torch.float64, device=device)
     window_steps, window_start = 0, time.perf_counter()
     run_start = window_start
@@ -121,14 +122,17 @@ def train_loop_per_worker(config: dict) -> None:
             window_steps += 1
 
             done = step + 1
-            stop = False
+            stop = 0
             if done % log_every == 0 or done == total_steps:
-                # The driver's stop request is read here, where the loop synchronises anyway.
-                if rank == 0 and stop_flag is not None:
-                    window[2] = float(ray.get(stop_flag.get.remote()))
-                dist.all_reduce(window)
-                stop = window[2].item() > 0
                 elapsed = time.perf_counter() - window_start
+                # The driver's stop request and the deadline are read here, where the loop synchronises anyway.
+                if rank == 0:
+                    if deadline is not None and time.time() + elapsed >= deadline:
+                        window[2] = 2
+                    elif stop_flag is not None and ray.get(stop_flag.get.remote()):
+                        window[2] = 1
+                dist.all_reduce(window)
+                stop = int(window[2].item())
                 metrics = {
                     "train/loss": window[0].item() / (world * window_steps),
                     "train/lr": engine.lr_scheduler.get_last_lr()[0],
@@ -156,7 +160,7 @@ def train_loop_per_worker(config: dict) -> None:
                 ray.train.report({"step": done, **metrics})
             if checkpointing:
                 final = done == total_steps
-                report = {"step": done, **metrics, **({"stopped": 1} if stop and not final else {})}
+                report = {"step": done, **metrics, **({"stopped": stop} if stop and not final else {})}
                 if final:
                     report["perf/wall_s"] = time.perf_counter() - run_start
                     report["perf/first_step_unix"] = stream.first_step_unix or 0.0
@@ -166,8 +170,8 @@ def train_loop_per_worker(config: dict) -> None:
                     if tracker is not None:
                         tracker.log({"eval/loss": report["eval/loss"]}, step=done)
                 _save_and_report(engine, cfg, tokenizer, done, report, final=final)
-                if stop:
-                    log_rank0("stopped on request after step %d; relaunch to resume", done)
+                if stop and not final:
+                    log_rank0("stopped %s after step %d; relaunch to resume", "at the wall-time limit" if stop == 2 else "on request", done)
                     return
 
 

@@ -342,7 +342,7 @@ def run_sweep(base: dict[str, Any], sweep: Sweep, *, resume: bool = False, out_d
     points = validate_space(base, sweep)
     base_cfg = base_config(base, sweep)
     connect_ray(base_cfg, log_to_driver=False)
-    uri = tracking.tracking_uri(base_cfg.tracking.uri)
+    uri = tracking.tracking_uri(base_cfg.tracking.uri, base_cfg.run.storage_path)
     parent_id, resumed = tracking.open_run(uri, base_cfg.tracking.experiment, sweep.name, tags={"zerolab.sweep": sweep.name})
     logger.info("sweep %s: MLflow parent run %s (%s); %s search over %s", sweep.name, parent_id,
                 "resumed" if resumed else "new", sweep.search, ", ".join(d.key for d in sweep.space))
