@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -128,30 +130,33 @@ def test_killed_driver_relaunch_resumes_with_each_step_logged_once(tmp_path, tin
 
 
 @pytest.mark.slow
-def test_ctrl_c_checkpoints_marks_killed_and_relaunch_finishes(tmp_path, tiny_model_path):
+def test_ctrl_c_checkpoints_marks_killed_and_the_printed_command_resumes(tmp_path, tiny_model_path):
     cmd = sft_command(tmp_path, **{"run.name": "interrupted", "train.max_steps": 120, "train.checkpoint_every_n_steps": 1000})
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in proc.stdout:
         lines.append(line)
         if "step 10/120" in line:
+            # While it trains, a second job with the same run name is refused: the run folder is locked.
+            second = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            assert second.returncode == 2 and f"is in use by process {proc.pid}" in second.stderr, second.stderr[-2000:]
             proc.send_signal(signal.SIGINT)
             break
     rest, _ = proc.communicate(timeout=300)
     output = "".join(lines) + rest
     assert proc.returncode == 130, output[-3000:]
+    assert "stop at the next logging step (within train.log_every_n_steps=5 steps)" in output
     # The driver's own lines (not those Ray forwards from its actors, "(Actor pid=...) ...") are clean.
     driver_lines = "".join(line for line in output.splitlines(keepends=True) if not line.startswith(("(", "\x1b[36m(")))
-    assert "interrupted: stopped at step" in output and "Traceback" not in driver_lines
+    assert "interrupted: stopped on request at step" in output and "Traceback" not in driver_lines
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     (run,) = runs_named(uri, "tests", "interrupted")
     assert run.info.status == "KILLED"
     stopped_at = int(latest_checkpoint(tmp_path / "runs" / "interrupted").rsplit("_", 1)[1])
-    assert 10 <= stopped_at < 120
+    assert 10 <= stopped_at < 120 and stopped_at % 5 == 0  # at a logging step
 
-    relaunch = subprocess.run(sft_command(tmp_path, **{"run.name": "interrupted", "train.max_steps": 120,
-                                                       "train.checkpoint_every_n_steps": 1000}),
-                              capture_output=True, text=True, timeout=900)
+    resume = shlex.split(re.search(r"^resume: (.+)$", output, re.MULTILINE)[1])
+    relaunch = subprocess.run([sys.executable, *resume[1:]], capture_output=True, text=True, timeout=900)
     assert relaunch.returncode == 0, relaunch.stderr[-3000:]
     (run,) = runs_named(uri, "tests", "interrupted")
     assert run.info.status == "FINISHED"
@@ -159,21 +164,74 @@ def test_ctrl_c_checkpoints_marks_killed_and_relaunch_finishes(tmp_path, tiny_mo
     assert metric_steps(uri, run.info.run_id, "train/resumed_from_step") == [stopped_at]
 
 
-def test_corrupt_checkpoint_and_changed_config_are_clear_errors(ray_cluster, tmp_path, tiny_model_path):
-    overrides = tiny_overrides(tmp_path, **{"train.max_steps": 4})
+def test_a_finished_run_is_left_alone_continued_with_more_steps_or_restarted(ray_cluster, tmp_path, tiny_model_path):
+    from mlflow import MlflowClient
+
+    from zerolab.checkpoints import RunFinished, RunFolder
+
+    overrides = tiny_overrides(tmp_path, **{"train.max_steps": 4, "tracking.registered_model": "kept"})
     result = run_sft(load_config(None, overrides))
-    checkpoint = Path(result.checkpoint_path)
+    client = MlflowClient(result.tracking_uri)
+
+    with pytest.raises(RunFinished, match="after step 4: nothing was trained or registered"):
+        run_sft(load_config(None, overrides))
+    (run,) = runs_named(result.tracking_uri, "tests", result.run_name)
+    assert run.info.status == "FINISHED" and len(client.search_model_versions("name = 'kept'")) == 1
 
     with pytest.raises(CheckpointError, match=r"different training config \(adapter.r: 8 -> 16\)"):
-        run_sft(load_config(None, [*overrides, "adapter.r=16"]))
+        run_sft(load_config(None, [*overrides, "adapter.r=16", "train.max_steps=8"]))
 
-    state = checkpoint / "deepspeed" / "state" / "mp_rank_00_model_states.pt"
-    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
-    with pytest.raises(CheckpointError, match="is corrupt: mp_rank_00_model_states.pt cannot be read"):
-        run_sft(load_config(None, overrides))
+    longer = run_sft(load_config(None, [*overrides, "train.max_steps=6"]))  # continued, in the same MLflow run
+    assert longer.run_id == result.run_id and metric_steps(result.tracking_uri, result.run_id, "train/resumed_from_step") == [4]
+    assert metric_steps(result.tracking_uri, result.run_id, "train/loss") == [2, 4, 6]
+    versions = client.search_model_versions("name = 'kept'")
+    assert sorted(v.tags["zerolab.step"] for v in versions) == ["4", "6"]  # one version per trained adapter
+    record = RunFolder.of(load_config(None, overrides), str(tmp_path / "runs")).read_record()
+    assert (record.status, record.step, record.run_id) == ("finished", 6, result.run_id)
 
     restarted = run_sft(load_config(None, [*overrides, "adapter.r=16"]), restart=True)
     assert restarted.run_id != result.run_id  # a restart is a new MLflow run
+
+
+def test_a_finished_run_relaunched_from_another_directory_says_where_it_is(tmp_path, tiny_model_path):
+    """The embedded default without a name or a store: a new run, its record beside the run folders;
+    naming it again from elsewhere trains nothing, in seconds, and points at both halves."""
+    first_dir, second_dir = tmp_path / "one", tmp_path / "two"
+    first_dir.mkdir(), second_dir.mkdir()
+    base = [sys.executable, str(REPO / "jobs" / "sft.py"), "--set", f"run.storage_path={tmp_path / 'runs'}",
+            "--set", "train.max_steps=2", "--set", "data.num_train_rows=64", "--set", "data.num_eval_rows=16",
+            "--set", "tracking.system_metrics_interval_s=0"]
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    first = subprocess.run(base, cwd=first_dir, capture_output=True, text=True, timeout=600, env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    store = f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
+    assert f"mlflow ui --backend-store-uri {store}" in first.stdout and not (first_dir / "mlflow.db").exists()
+    name = re.search(r"^run +(\S+)", first.stdout, re.MULTILINE)[1]
+    assert re.fullmatch(r"math_sum-tiny-qwen2-\d{8}-\d{6}-[0-9a-f]{4}", name), name
+
+    started = time.monotonic()
+    again = subprocess.run([*base, "--set", f"run.name={name}"], cwd=second_dir, capture_output=True, text=True, timeout=300, env=env)
+    assert again.returncode == 2, again.stderr[-3000:]
+    assert time.monotonic() - started < 60  # refused before Ray starts
+    assert f"run '{name}' finished at" in again.stderr and store in again.stderr and "Traceback" not in again.stderr
+    assert not (second_dir / "mlflow.db").exists()
+    from mlflow import MlflowClient
+
+    client = MlflowClient(store)
+    (run,) = runs_named(store, "zerolab", name)
+    assert run.info.status == "FINISHED" and run.data.tags["zerolab.run_folder"] == str(tmp_path / "runs" / name)
+    assert len(client.search_model_versions("name = 'math_sum-tiny-qwen2'")) == 1
+
+
+def test_an_unreachable_tracking_server_fails_in_seconds_and_leaves_nothing(tmp_path):
+    started = time.monotonic()
+    proc = subprocess.run(sft_command(tmp_path, **{"run.name": "no-server", "tracking.uri": "http://user:secretpass@127.0.0.1:9"}),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert time.monotonic() - started < 60
+    assert "the MLflow server at http://***@127.0.0.1:9 does not answer" in proc.stderr
+    assert "secretpass" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+    assert not any((tmp_path / "runs" / "no-server").glob("zerolab_job.json"))
 
 
 def test_bad_data_exits_2_with_file_and_line(tmp_path):
@@ -216,7 +274,7 @@ def test_keys_added_by_a_later_zerolab_are_not_config_drift(tmp_path):
     recorded_before_the_key_existed = {k: v for k, v in cfg.flat().items() if k != "model.kernels"}
 
     folder.write_json(JOB_CONFIG_FILE, recorded_before_the_key_existed)
-    assert prepare_run_folder(cfg, storage, restart=False) is None  # at its default: the same job
+    assert prepare_run_folder(cfg, storage, restart=False).checkpoint is None  # at its default: the same job
 
     folder.write_json(JOB_CONFIG_FILE, recorded_before_the_key_existed)
     changed = load_config(None, tiny_overrides(tmp_path, **{"run.name": "upgraded", "model.kernels": "none"}))
