@@ -307,14 +307,27 @@ def connect_ray(cfg: SFTConfig, *, log_to_driver: bool = True) -> None:
     # rather than joining whatever `ray start` left registered on this machine.
     address = os.environ.get("RAY_ADDRESS") or "local"
     _check_reachable(address)
+    options: dict[str, Any] = {}
+    if address == "local":
+        # Ray Train's controller and placement-group cleaner query the state API without an
+        # address; with another Ray instance on the machine (a `ray start` cluster, another job)
+        # they cannot tell which is theirs and print tracebacks. Name this instance's API server.
+        options["dashboard_port"] = _free_port()
+        env_vars["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{options['dashboard_port']}"
     try:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=log_to_driver, logging_level=logging.WARNING)
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=log_to_driver, logging_level=logging.WARNING, **options)
     except ConnectionError as exc:
         raise EnvironmentProblem(
             f"could not reach the Ray cluster at RAY_ADDRESS={address!r} ({exc}). Start one with "
             "`ray start --head`, fix RAY_ADDRESS, or unset it to run on a local Ray instance."
         ) from None
     quiet_ray_data_logging()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 TRAIN_ACTORS = ("TrainController", "PlacementGroupCleaner")
@@ -340,7 +353,8 @@ def shutdown_ray(timeout_s: float = 15.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                alive = list_actors(filters=[("state", "=", "ALIVE")], timeout=5, raise_on_missing_output=False)
+                alive = list_actors(address=ray.get_runtime_context().gcs_address, filters=[("state", "=", "ALIVE")], timeout=5,
+                                    raise_on_missing_output=False)
             except (RayStateApiException, ConnectionError, TimeoutError) as exc:  # best effort: shutting down is what matters
                 logger.debug("could not list Ray actors before shutdown: %s", exc)
                 break
