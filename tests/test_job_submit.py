@@ -45,7 +45,7 @@ def test_ray_job_submit_ships_zerolab(tmp_path, tiny_model_path):
         "data": {"num_train_rows": 96, "num_eval_rows": 16},
         "train": {"micro_batch_size": 8, "max_steps": 4, "log_every_n_steps": 2},
         "run": {"name": "submitted", "storage_path": str(tmp_path / "runs")},
-        "tracking": {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "submit"},
+        "tracking": {"experiment": "submit"},  # the default store: beside the run folders, not in the job's working dir
     }
     (work / "small.yaml").write_text(yaml.safe_dump(config))
 
@@ -54,6 +54,7 @@ def test_ray_job_submit_ships_zerolab(tmp_path, tiny_model_path):
     token.write_text(secrets.token_hex(32))
     env = {**os.environ, "PATH": f"{python.parent}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
     env.pop("RAY_ADDRESS", None)
+    env.pop("MLFLOW_TRACKING_URI", None)
     ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths have a length limit
     # Every fixed default port its own: another Ray instance on this machine (the tests' session
     # cluster) holds the defaults, and a job agent that cannot bind 52365 takes no jobs.
@@ -93,9 +94,12 @@ def test_ray_job_submit_ships_zerolab(tmp_path, tiny_model_path):
         head.wait(timeout=60)
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
+    # The head is gone with its session files (`ray stop`); the record is where the job said it is.
+    store = f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
+    assert f"mlflow ui --backend-store-uri {store}" in output and "/ray/session_" not in output.split("mlflow ui")[-1]
     from mlflow import MlflowClient
 
-    client = MlflowClient(config["tracking"]["uri"])
+    client = MlflowClient(store)
     runs = client.search_runs([client.get_experiment_by_name("submit").experiment_id])
     assert [r.info.run_name for r in runs] == ["submitted"] and runs[0].info.status == "FINISHED"
     assert len(client.get_metric_history(runs[0].info.run_id, "train/loss")) == 2

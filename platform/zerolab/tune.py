@@ -315,6 +315,7 @@ def trial_function(config: dict[str, Any], *, base: dict[str, Any], sweep: Sweep
     import ray.tune
 
     from zerolab import memory
+    from zerolab.checkpoints import RunFinished
     from zerolab.run import run_sft
 
     trial_id = ray.tune.get_context().get_trial_id()
@@ -322,6 +323,11 @@ def trial_function(config: dict[str, Any], *, base: dict[str, Any], sweep: Sweep
     cfg = cfg.replace(tracking=replace(cfg.tracking, uri=uri, register=False))
     try:
         run_sft(cfg, parent_run_id=parent_run_id, in_tune=True)
+    except RunFinished as exc:
+        # Resumed sweeps rerun a trial whose run finished after Tune's last saved result: its
+        # run's final metrics are the trial's result; nothing trains again.
+        final = tracking.mlflow_client(uri).get_run(exc.record.run_id).data.metrics if exc.record.run_id else {}
+        ray.tune.report({**final, "step": exc.record.step or 0})
     except memory.MemoryPreflightError as exc:
         reason = str(exc).splitlines()[0]
         run_id, _ = tracking.open_run(uri, cfg.tracking.experiment, cfg.run.name,
@@ -332,12 +338,11 @@ def trial_function(config: dict[str, Any], *, base: dict[str, Any], sweep: Sweep
 
 def run_sweep(base: dict[str, Any], sweep: Sweep, *, resume: bool = False, out_dir: str | Path | None = None) -> list[TrialRow]:
     """Run (or resume) the sweep; returns the ranked trial rows and writes the results table."""
-    import ray
     from ray import tune
     from ray.tune import RunConfig as TuneRunConfig
     from ray.tune import TuneConfig, Tuner
 
-    from zerolab.run import connect_ray
+    from zerolab.run import connect_ray, shutdown_ray
 
     points = validate_space(base, sweep)
     base_cfg = base_config(base, sweep)
@@ -393,8 +398,7 @@ def run_sweep(base: dict[str, Any], sweep: Sweep, *, resume: bool = False, out_d
         raise
     finally:
         tracking.close_run(uri, parent_id, status)
-        if ray.is_initialized():
-            ray.shutdown()
+        shutdown_ray()
 
 
 def _announce_skips(base: dict[str, Any], sweep: Sweep, points: list[dict[str, Any]]) -> None:
