@@ -176,11 +176,11 @@ class RunSpec:
 @dataclass(frozen=True, kw_only=True)
 class TrackingSpec:
     uri: str | None = None
-    """MLflow tracking URI; empty: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory."""
+    """MLflow tracking URI; empty: $MLFLOW_TRACKING_URI, else the store the run recorded, else sqlite `mlflow.db` beside the run folders (`run.storage_path`, or ~/zerolab_runs when that is remote)."""
     experiment: str = "zerolab"
     """MLflow experiment name."""
     registered_model: str | None = None
-    """Model Registry name the final adapter is registered under; empty: `run.name`."""
+    """Model Registry name the final adapter is registered under; empty: `run.name`, or `<task>-<model>` when the run was not named."""
     model_alias: str = "candidate"
     """Alias set on the newly registered version (`models:/<name>@<alias>`); empty: none."""
     register: bool = True
