@@ -68,6 +68,17 @@ def test_missing_paths_and_custom_task():
     assert any(p.startswith("data.eval_path: no such file") for p in found)
 
 
+def test_workers_rebuild_the_config_without_touching_the_file_system():
+    """A data file that exists only on the driver: the driver checks it, the workers' copy of the
+    config (``from_dict``) does not look for it."""
+    from zerolab.config import SFTConfig
+
+    assert problems(["data.train_path=/nonexistent/train.jsonl"]) == [
+        "data.train_path: no such file or folder '/nonexistent/train.jsonl'; check the path (relative paths start at the working directory)"]
+    rebuilt = SFTConfig.from_dict({"data": {"train_path": "/nonexistent/train.jsonl"}})
+    assert rebuilt.data.train_path == "/nonexistent/train.jsonl"
+
+
 def test_cpu_only_settings():
     found = problems(["train.precision=fp16", "model.attn_implementation=flash_attention_2"])
     assert {p.split(":")[0] for p in found} == {"train.precision", "model.attn_implementation"}

@@ -253,9 +253,27 @@ class SFTConfig:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> SFTConfig:
-    """Load a YAML job config (or the embedded default when ``path`` is None) and apply ``a.b=value`` overrides."""
+    """Load a YAML job config (or the embedded default when ``path`` is None), apply ``a.b=value``
+    overrides, and check the local paths it names exist on this machine (the driver's): one
+    ConfigError lists every problem. ``SFTConfig.from_dict`` alone (workers, sweep trials) checks
+    the config itself and touches no file system."""
     raw = load_yaml(path) if path is not None else {}
-    return SFTConfig.from_dict(apply_overrides(raw, overrides))
+    try:
+        cfg = SFTConfig.from_dict(apply_overrides(raw, overrides))
+    except ConfigError as exc:
+        partial = _build(SFTConfig, apply_overrides(raw, overrides), "", [])
+        raise ConfigError([*exc.problems, *missing_paths(partial)]) from None
+    if problems := missing_paths(cfg):
+        raise ConfigError(problems)
+    return cfg
+
+
+def missing_paths(cfg: SFTConfig) -> list[str]:
+    """Local files and folders the config names that do not exist here (remote URIs are not checked)."""
+    d, ds = cfg.data, cfg.deepspeed
+    return [f"{key}: no such file or folder '{value}'; check the path (relative paths start at the working directory)"
+            for key, value in (("data.train_path", d.train_path), ("data.eval_path", d.eval_path), ("deepspeed.config", ds.config))
+            if value and "://" not in value and not Path(value).expanduser().exists()]
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
@@ -351,10 +369,6 @@ def validate(cfg: SFTConfig) -> list[str]:
 
     if d.task == "custom" and not d.train_path:
         p.append("data.train_path: required when data.task=custom (there is no generator); give a JSON/JSONL/Parquet file")
-    for key, value in (("data.train_path", d.train_path), ("data.eval_path", d.eval_path), ("deepspeed.config", ds.config)):
-        if value and "://" not in value and not Path(value).expanduser().exists():
-            p.append(f"{key}: no such file or folder '{value}'; check the path (relative paths start at the working directory)")
-
     if ds.offload_optimizer and ds.stage == 0:
         p.append("deepspeed.offload_optimizer: ZeRO stage 0 has no partitioned optimizer to offload; set deepspeed.stage to 1, 2 or 3, or deepspeed.offload_optimizer=false")
     if ds.offload_param and ds.stage != 3:

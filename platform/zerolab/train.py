@@ -91,16 +91,6 @@ def train_loop_per_worker(config: dict) -> None:
               now - started, data_ready - started, model_ready - data_ready, " and checkpoint" if start_step else "", now - model_ready)
     stream = _FirstStepClock(batches.iterate(start=start_step * cfg.train.grad_accum_steps), cfg.train.grad_accum_steps, device)
     tracker = None
-    if rank == 0 and config.get("tracking"):
-        from zerolab.tracking import MetricsLogger, log_params
-
-        tracker = MetricsLogger(config["tracking"]["uri"], config["tracking"]["run_id"])
-        if start_step > 0:
-            tracker.log({"train/resumed_from_step": start_step}, step=start_step)
-        else:
-            log_params(config["tracking"]["uri"], config["tracking"]["run_id"],
-                       {"derived.trainable_params": trainable, "derived.total_params": total, "derived.total_steps": total_steps})
-
     flops_per_token = perf.train_flops_per_token(total, trainable, cfg.adapter.method == "full")
     peak_flops = perf.peak_flops(device) * world
     stop_flag, deadline = config.get("stop_flag"), config.get("deadline_unix")
@@ -112,11 +102,19 @@ def train_loop_per_worker(config: dict) -> None:
     log_every, ckpt_every = cfg.train.log_every_n_steps, cfg.train.checkpoint_every_n_steps
     metrics: dict[str, float] = {}
 
-    with _system_metrics(config, ctx):
+    with contextlib.ExitStack() as after_first_step:
         engine.train()
         for step in range(start_step, total_steps):
             micro: list[Batch] = [next(stream) for _ in range(cfg.train.grad_accum_steps)]
             loss, grad_norm = optimizer_step(engine, micro, device, want_grad_norm=(step + 1) % log_every == 0)
+            if step == start_step:
+                # MLflow's set-up (client, metric history, system-metrics thread) takes seconds; done
+                # here it keeps off the way to the first step (the GPU works through the queued step meanwhile).
+                after_first_step.enter_context(_system_metrics(config, ctx))
+                if rank == 0 and config.get("tracking"):
+                    tracker = _open_tracker(config["tracking"], start_step,
+                                            {"derived.trainable_params": trainable, "derived.total_params": total,
+                                             "derived.total_steps": total_steps})
             window[0] += loss
             window[1] += sum(b.num_tokens for b in micro)
             window_steps += 1
@@ -173,6 +171,19 @@ def train_loop_per_worker(config: dict) -> None:
                 if stop and not final:
                     log_rank0("stopped %s after step %d; relaunch to resume", "at the wall-time limit" if stop == 2 else "on request", done)
                     return
+
+
+def _open_tracker(tracking: dict, start_step: int, params: dict[str, Any]) -> Any:
+    """Rank 0's metric logger for the run, noting where a resumed run picked up (or, for a new
+    run, the parameters only the workers know)."""
+    from zerolab.tracking import MetricsLogger, log_params
+
+    tracker = MetricsLogger(tracking["uri"], tracking["run_id"])
+    if start_step > 0:
+        tracker.log({"train/resumed_from_step": start_step}, step=start_step)
+    else:
+        log_params(tracking["uri"], tracking["run_id"], params)
+    return tracker
 
 
 def _system_metrics(config: dict, ctx: Any) -> contextlib.AbstractContextManager:
