@@ -395,6 +395,22 @@ def test_cli_plans_a_machine():
     assert "recommendation: ZeRO-3 fits" in out and "--set deepspeed.stage=3" in out
 
 
+def test_cli_estimates_on_the_jobs_data(tiny_model_path):
+    """--data tokenizes the generated math rows (~40-70 tokens) here and plans the workers' shards."""
+    proc = run_estimate("--data", "--set", "data.max_seq_length=4096", "--set", "train.micro_batch_size=16", "--gpus", "2",
+                        "--gpu-mem", "16GiB", "--host-mem", "64GiB", "--set", "scaling.use_gpu=true", "--set", "train.precision=bf16")
+    assert proc.returncode == 0, proc.stderr
+    assert "largest micro-batch of the data" in proc.stdout and "(16 rows, padded to ≤ " in proc.stdout
+    assert "  worst case by config (micro-batch 16 × 4096 tokens): ZeRO-2:" in proc.stdout
+
+
+def test_local_shards_split_as_ray_does():
+    from zerolab.data_lengths import split_lengths
+
+    assert split_lengths(list(range(11)), 3, equal=True) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]  # the rest is dropped
+    assert split_lengths(list(range(5)), 2, equal=False) == [[0, 1, 2], [3, 4]]
+
+
 def test_cli_config_error_exits_2_without_traceback():
     proc = run_estimate("--set", "adapter.r=0", "--gpu-mem", "lots")
     assert proc.returncode == 2
