@@ -6,6 +6,8 @@
     python bench/calibrate_memory.py --cases tiny --out /tmp/calibration          # CPU: the tiny model, 2 workers
     python bench/calibrate_memory.py --dry-run --cases gpu-2                      # list the cases and predictions only
     python bench/calibrate_memory.py --recompute a.csv b.csv --out docs/calibration   # merge rows, predict again
+    python bench/calibrate_memory.py --held-out --cases held-out-1 --out heldout-h200   # held-out set, 1 GPU: errors, no fit
+    python bench/calibrate_memory.py --held-out --cases held-out-2 --out heldout-h200x2 # held-out set, 2 GPUs
 
 Each case trains a random-init model of a real shape (Qwen2.5-0.5B and -7B, built once from its
 config into ``--models`` or $ZEROLAB_CACHE/calibration, no download; the tiny model's tokenizer,
@@ -17,6 +19,12 @@ the overrides that predict them again anywhere (``--recompute``, after changing 
 ``<out>/memory_calibration.md`` gets the table with errors and the calibration constants fitted to
 the measurements. ``jobs/benchmark.py`` writes rows of the same form for its zerolab runs. A
 harness run by hand on real hardware, not a job: it lives in bench/.
+
+The held-out lists (``held-out-1``, ``held-out-2``) are kept apart from the fit: they vary what the
+calibration cases do not (padded and packed rows of ≈ 100 to 4k tokens from the benchmark's data
+mix, micro-batch 1 to 16, all five methods, fp32 AdaLoRA, ZeRO 0-3 with and without offload) and
+``--held-out`` runs them into ``<out>/memory_heldout.{csv,md}``, predicting each run as its own
+preflight does (data-aware, from the shards of its data) and fitting nothing.
 """
 
 from __future__ import annotations
@@ -59,13 +67,20 @@ class Case:
     checkpointing: bool = False
     gpu: bool = True
     steps: int = 6
+    packing: bool = True
+    data: str = "math"
+    """``math``: the generated math rows (≈ 30-70 tokens); ``mix``: ``bench/workload.py``'s mix, rows of
+    ≈ 30 tokens up to ``seq_len``."""
+    precision: str = ""
+    """Empty: bf16 on GPU, fp32 on CPU."""
 
     @property
     def name(self) -> str:
         offload = "" if self.offload == "none" else f"-off{self.offload}"
         device = f"{self.workers}{'gpu' if self.gpu else 'cpu'}"
         return (f"{self.shape}-{self.method}-z{self.stage}{offload}-{device}-b{self.micro_batch}x{self.seq_len}"
-                f"{'-ckpt' if self.checkpointing else ''}")
+                f"{'-ckpt' if self.checkpointing else ''}{'' if self.packing else '-pad'}{'' if self.data == 'math' else '-' + self.data}"
+                f"{'-' + self.precision if self.precision else ''}")
 
     def overrides(self, model: str, out: Path) -> list[str]:
         # Packed rows fill every sequence, so micro-batches are micro_batch × seq_len tokens, as the
@@ -77,12 +92,24 @@ class Case:
             f"deepspeed.stage={self.stage}", f"deepspeed.offload_optimizer={str(self.offload != 'none').lower()}",
             f"deepspeed.offload_param={str(self.offload == 'all').lower()}",
             f"scaling.num_workers={self.workers}", f"scaling.use_gpu={str(self.gpu).lower()}",
-            f"train.precision={'bf16' if self.gpu else 'fp32'}", f"train.micro_batch_size={self.micro_batch}",
+            f"train.precision={self.precision or ('bf16' if self.gpu else 'fp32')}", f"train.micro_batch_size={self.micro_batch}",
             f"train.max_steps={self.steps}", "train.log_every_n_steps=2", "train.lr=1e-4",
-            "data.packing=true", f"data.max_seq_length={self.seq_len}", f"data.num_train_rows={rows}", "data.num_eval_rows=16",
+            f"data.packing={str(self.packing).lower()}", f"data.max_seq_length={self.seq_len}", f"data.num_train_rows={rows}",
+            "data.num_eval_rows=16", *self._data(),
             f"run.name=memcal-{self.name.replace('.', '_')}", f"run.storage_path={out / 'runs'}",
             f"tracking.uri=file://{(out / 'mlruns').resolve()}", "tracking.experiment=memory-calibration", "tracking.register=false",
         ]
+
+
+    def _data(self) -> list[str]:
+        if self.data == "math":
+            return []
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from workload import data_mix
+
+        from zerolab.models import cache_dir
+
+        return [f"data.train_path={data_mix(cache_dir() / 'calibration', max_tokens=self.seq_len)}", "data.task=custom"]
 
 
 def _gpu_cases() -> list[Case]:
@@ -112,6 +139,23 @@ CASES: dict[str, list[Case]] = {
               Case("qwen2.5-7b", "lora", 3, "all", workers=2, checkpointing=True)],
     "gpu-quick": [Case("qwen2.5-0.5b", "full", 0), Case("qwen2.5-0.5b", "full", 3, workers=2),
                   Case("qwen2.5-7b", "lora", 0, checkpointing=True), Case("qwen2.5-7b", "lora", 3, "all", workers=2, checkpointing=True)],
+    # Held out: never fitted to. One GPU, then two; a few steps each (the 7B model is built once).
+    "held-out-1": [
+        Case("qwen2.5-0.5b", "lora", 0, micro_batch=16, seq_len=128, packing=False, steps=4),
+        Case("qwen2.5-0.5b", "adalora", 0, micro_batch=8, seq_len=512, packing=False, data="mix", precision="fp32", steps=4),
+        Case("qwen2.5-0.5b", "rslora", 0, micro_batch=1, seq_len=4096, data="mix", steps=4),
+        Case("qwen2.5-7b", "dora", 0, micro_batch=2, seq_len=2048, packing=False, data="mix", checkpointing=True, steps=3),
+        Case("qwen2.5-7b", "lora", 3, "all", micro_batch=4, seq_len=1024, packing=False, data="mix", checkpointing=True, steps=3),
+    ],
+    "held-out-2": [
+        Case("qwen2.5-0.5b", "lora", 2, workers=2, micro_batch=16, seq_len=128, packing=False, steps=4),
+        Case("qwen2.5-0.5b", "full", 2, workers=2, micro_batch=16, seq_len=128, packing=False, steps=4),
+        Case("qwen2.5-0.5b", "dora", 3, workers=2, micro_batch=8, seq_len=1024, data="mix", steps=4),
+        Case("qwen2.5-0.5b", "full", 1, "optimizer", workers=2, micro_batch=8, seq_len=512, packing=False, data="mix", steps=4),
+        Case("qwen2.5-7b", "rslora", 2, workers=2, micro_batch=2, seq_len=2048, data="mix", checkpointing=True, steps=3),
+        Case("qwen2.5-7b", "lora", 3, "all", workers=2, micro_batch=1, seq_len=4096, packing=False, data="mix",
+             checkpointing=True, steps=3),
+    ],
     "tiny": [Case("tiny", "lora", 2, workers=2, micro_batch=32, seq_len=512, gpu=False, steps=4),
              Case("tiny", "lora", 3, "all", workers=2, micro_batch=8, seq_len=128, gpu=False, steps=4)],
 }
@@ -125,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true", help="skip cases already in the CSV")
     parser.add_argument("--max-minutes", type=float, help="start no new case after this many minutes")
     parser.add_argument("--dry-run", action="store_true", help="print the cases and their predictions; run nothing")
+    parser.add_argument("--held-out", action="store_true",
+                        help="held-out check: data-aware predictions, rows in <out>/memory_heldout.{csv,md}, no constants fitted")
     parser.add_argument("--models", type=Path, help="folder for the random-init models (default: $ZEROLAB_CACHE/calibration)")
     parser.add_argument("--recompute", type=Path, nargs="+", metavar="CSV",
                         help="no runs: merge these CSVs, predict every row again with the current Calibration, "
@@ -151,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     args.out.mkdir(parents=True, exist_ok=True)
-    csv_path = args.out / "memory_calibration.csv"
+    csv_path = args.out / ("memory_heldout.csv" if args.held_out else "memory_calibration.csv")
     done = {row["case"] for row in _read_rows(csv_path)} if args.resume else set()
     if not args.resume and csv_path.exists():
         csv_path.unlink()
@@ -162,13 +208,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_minutes and time.monotonic() - start > 60 * args.max_minutes:
             print(f"stopping: --max-minutes {args.max_minutes:g} reached; rerun with --resume to go on")
             break
-        row = run_case(case, args.out, args.models)
+        row = run_case(case, args.out, args.models, data_aware=args.held_out)
         _append_row(csv_path, row)
         print(f"{case.name}: {row['status']} | GPU alloc {row.get('pred_gpu_alloc_gib')} vs {row.get('meas_gpu_alloc_gib')} | "
               f"host {row.get('pred_host_workers_gib')} vs {row.get('meas_host_workers_gib')} GiB", flush=True)
     rows = _read_rows(csv_path)
-    (args.out / "memory_calibration.md").write_text(report(rows))
-    print(f"wrote {csv_path} and {args.out / 'memory_calibration.md'}")
+    md = csv_path.with_suffix(".md")
+    md.write_text(report(rows, fit=not args.held_out))
+    print(f"wrote {csv_path} and {md}")
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 
@@ -240,7 +287,7 @@ def resolved_overrides(overrides: list[str]) -> list[str]:
     return [*kept, f"model.kernels={kernels}"]
 
 
-def predict_overrides(overrides: list[str], shape: str, calibration: Any = None) -> dict[str, float]:
+def predict_overrides(overrides: list[str], shape: str, calibration: Any = None, data: Any = None) -> dict[str, float]:
     """The estimate's figures for a run of ``shape`` configured by ``overrides`` (no paths needed)."""
     from zerolab.config import load_config
     from zerolab.memory import DEFAULT_CALIBRATION, GIB, KNOWN_CONFIGS, estimate, load_model_config
@@ -249,7 +296,7 @@ def predict_overrides(overrides: list[str], shape: str, calibration: Any = None)
     shape_id = SHAPES[shape]
     model_config = (dict(model_type="qwen2", dtype="bfloat16", **KNOWN_CONFIGS[shape_id]) if shape_id
                     else load_model_config(load_config(None, [])))
-    est = estimate(cfg, model_config, calibration=calibration or DEFAULT_CALIBRATION)
+    est = estimate(cfg, model_config, calibration=calibration or DEFAULT_CALIBRATION, data=data)
     gpu, workers = cfg.scaling.use_gpu, cfg.world_size()
     # The run's mem/host_rss_peak_gib is read at its last logging step, before the final checkpoint
     # is saved: compare with the workers' peak over the phases up to then.
@@ -280,8 +327,10 @@ def error_pct(row: dict[str, Any]) -> dict[str, str]:
         ("err_host_pct", "pred_host_workers_gib", "meas_host_workers_gib"))}
 
 
-def run_case(case: Case, out: Path, models: Path | None = None) -> dict[str, Any]:
-    """Train ``case`` and return its CSV row (status ``failed: ...`` when the run fails)."""
+def run_case(case: Case, out: Path, models: Path | None = None, *, data_aware: bool = False) -> dict[str, Any]:
+    """Train ``case`` and return its CSV row (status ``failed: ...`` when the run fails). ``data_aware``:
+    predict from the shards of the case's data, as the run's preflight does (such rows cannot be
+    predicted again from their overrides alone)."""
     from zerolab.cli import root_cause
     from zerolab.config import load_config
     from zerolab.run import run_sft
@@ -292,7 +341,13 @@ def run_case(case: Case, out: Path, models: Path | None = None) -> dict[str, Any
     try:
         path = model_path(case.shape, models)
         cfg = load_config(None, case.overrides(path, out))
-        row.update({k: round(v, 3) for k, v in _predict(case, out).items()})
+        data = None
+        if data_aware:
+            from zerolab.data_lengths import job_shard_lengths
+
+            data = job_shard_lengths(cfg)
+        row.update({k: round(v, 3) for k, v in predict_overrides(estimate_overrides(case.overrides("unused", out)), case.shape,
+                                                                 data=data).items()})
         with NodeMemorySampler() as node:
             result = run_sft(cfg, restart=True)
         metrics = result.metrics
@@ -446,8 +501,8 @@ def _fit_gpu_host(rows: list[dict[str, str]]) -> dict[str, float]:
     return {"host_process_gpu_bytes": cal.host_process_gpu_bytes + d_base * GIB, "host_load_factor_gpu": cal.host_load_factor_gpu + d_factor}
 
 
-def report(rows: list[dict[str, str]]) -> str:
-    """The Markdown report: measured vs predicted per case, error summary, fitted constants."""
+def report(rows: list[dict[str, str]], *, fit: bool = True) -> str:
+    """The Markdown report: measured vs predicted per case, error summary, fitted constants (``fit``)."""
     lines = [
         "| case | device | GPU allocated pred / meas (err) | GPU reserved pred / meas (err) | host workers pred / meas (err) | node total pred / used | s | status |",
         "|---|---|---|---|---|---|---|---|",
@@ -463,7 +518,7 @@ def report(rows: list[dict[str, str]]) -> str:
     errors = {k: [abs(float(r[k])) for r in rows if r.get(k)] for k in ("err_gpu_alloc_pct", "err_gpu_reserved_pct", "err_host_pct")}
     lines += ["", "All figures GiB. Worst absolute errors: " + ", ".join(
         f"{k.removeprefix('err_').removesuffix('_pct')} {max(v):.1f}%" for k, v in errors.items() if v) + "."]
-    fitted = fit_calibration(rows)
+    fitted = fit_calibration(rows) if fit else {}
     if fitted:
         args = ", ".join(f"{k}={v:.3f}" if "factor" in k else f"{k}={int(v / 2**20)} * MIB" for k, v in fitted.items())
         lines += ["", "Constants fitted to these rows (paste into `zerolab.memory.Calibration` and rerun to see the errors after the fit):",

@@ -3,9 +3,14 @@
     python jobs/estimate.py --config jobs/configs/math_qwen2.5_7b_lora.yaml
     python jobs/estimate.py --config jobs/configs/math_qwen2.5_7b_lora.yaml --gpus 1 --gpu-mem 24GiB --host-mem 64GiB
     python jobs/estimate.py --config jobs/configs/math_qwen2.5_7b_lora.yaml --stages 0,3 --offload none,all --set adapter.r=16
+    python jobs/estimate.py --config jobs/configs/math_qwen2.5_7b_lora.yaml --data
 
 Reads the model's config only (no weights; a hub id needs the config in the local cache or the
 network) and starts nothing. Without --gpus/--gpu-mem/--host-mem it checks against this machine.
+By default every micro-batch is taken at its worst case by config (micro_batch_size ×
+data.max_seq_length tokens); --data tokenizes the job's data here (its files, or the task's
+generated rows; no Ray) and estimates the largest micro-batch the workers' shards will make, as
+the preflight of `jobs/sft.py` does, showing the worst case by config next to it.
 Exit codes: 0 a config fits (the job's own option or another one), 1 nothing fits, 2 bad
 configuration or model.
 """
@@ -30,11 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=1, help="nodes of the planned machine (default 1)")
     parser.add_argument("--stages", help="comma-separated ZeRO stages to show (default: all)")
     parser.add_argument("--offload", help="comma-separated offload modes to show: none, optimizer, all (default: all)")
+    parser.add_argument("--data", action="store_true", help="estimate on the job's data (tokenizes it here) instead of the worst case by config")
     args = parser.parse_args(argv)
 
     from zerolab.cli import USER_ERROR
     from zerolab.config import ConfigError, load_config
-    from zerolab.memory import MemoryEstimateError, Option, format_table, load_model_config, plan_options, recommend
+    from zerolab.data import DataError
+    from zerolab.memory import MemoryEstimateError, Option, format_table, load_model_config, plan_options, recommend, worst_case_by_config
     from zerolab.models import ModelLoadError
 
     try:
@@ -42,9 +49,14 @@ def main(argv: list[str] | None = None) -> int:
         limits = _limits(args)
         options = _options(args.stages, args.offload)
         model_config = load_model_config(cfg)
-        rows = plan_options(cfg, model_config, limits, options=options)
-        rec = recommend(cfg, model_config, limits, rows=rows)
-    except (ConfigError, ModelLoadError, MemoryEstimateError) as exc:
+        data = None
+        if args.data:
+            from zerolab.data_lengths import job_shard_lengths
+
+            data = job_shard_lengths(cfg)
+        rows = plan_options(cfg, model_config, limits, options=options, data=data)
+        rec = recommend(cfg, model_config, limits, rows=rows, data=data)
+    except (ConfigError, ModelLoadError, MemoryEstimateError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return USER_ERROR
 
@@ -57,9 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         return USER_ERROR
     est = shown.estimate
     print(f"model      {cfg.model.name_or_path}: {est.shape.describe()}")
-    print(f"training   {cfg.adapter.method} ({est.trainable_params:,} trainable), {est.precision}, micro-batch "
-          f"{est.micro_batch_size} × {est.seq_len} tokens, {'gradient checkpointing, ' if est.gradient_checkpointing else ''}"
-          f"{est.world_size} {'GPU' if est.use_gpu else 'CPU'} worker(s)")
+    print(f"training   {cfg.adapter.method} ({est.trainable_params:,} trainable), {est.precision}, {est.batch.describe()}, "
+          f"{'gradient checkpointing, ' if est.gradient_checkpointing else ''}{est.world_size} {'GPU' if est.use_gpu else 'CPU'} worker(s)")
     print(f"machine    {limits.describe()}")
     print()
     print(format_table(rows, limits))
@@ -69,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     own_row = next((r for r in rows if r.option == own), None)
     if own_row is not None and own_row.fit is not None:
         print(f"this config ({own.label}): {own_row.fit.verdict} — {'; '.join(own_row.fit.reasons)}")
+        by_config = worst_case_by_config(cfg, model_config, own_row.estimate, limits) if own_row.estimate else None
+        if by_config:
+            print(f"  {by_config}")
     if rec is None:
         print("recommendation: nothing fits, not even micro-batch 1 with gradient checkpointing; use more or larger GPUs, "
               "shorten data.max_seq_length, or train an adapter instead of the full model")

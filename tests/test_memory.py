@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, tiny_overrides
+from conftest import REPO, rows_of, tiny_overrides
 from zerolab import adapters, ds_config, memory
 from zerolab.config import AdapterSpec, load_config
 from zerolab.memory import GIB, Limits, MemoryPreflightError, ModelShape, Option
@@ -395,6 +395,22 @@ def test_cli_plans_a_machine():
     assert "recommendation: ZeRO-3 fits" in out and "--set deepspeed.stage=3" in out
 
 
+def test_cli_estimates_on_the_jobs_data(tiny_model_path):
+    """--data tokenizes the generated math rows (~40-70 tokens) here and plans the workers' shards."""
+    proc = run_estimate("--data", "--set", "data.max_seq_length=4096", "--set", "train.micro_batch_size=16", "--gpus", "2",
+                        "--gpu-mem", "16GiB", "--host-mem", "64GiB", "--set", "scaling.use_gpu=true", "--set", "train.precision=bf16")
+    assert proc.returncode == 0, proc.stderr
+    assert "largest micro-batch of the data" in proc.stdout and "(16 rows, padded to ≤ " in proc.stdout
+    assert "  worst case by config (micro-batch 16 × 4096 tokens): ZeRO-2:" in proc.stdout
+
+
+def test_local_shards_split_as_ray_does():
+    from zerolab.data_lengths import split_lengths
+
+    assert split_lengths(list(range(11)), 3, equal=True) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]  # the rest is dropped
+    assert split_lengths(list(range(5)), 2, equal=False) == [[0, 1, 2], [3, 4]]
+
+
 def test_cli_config_error_exits_2_without_traceback():
     proc = run_estimate("--set", "adapter.r=0", "--gpu-mem", "lots")
     assert proc.returncode == 2
@@ -449,3 +465,105 @@ def test_memory_trace_replays_the_allocator_to_its_peak():
     assert result["peak"] == 1000 - 50 + 100 + 300 + 10
     assert result["freed_from_before_peak"] == 50
     assert result["groups"] == [("b.py:2 f", 300, [300]), ("a.py:1 f", 110, [100, 10])]
+
+
+# --- data-aware micro-batches -------------------------------------------------------------------
+
+
+def test_padded_worst_micro_batch_is_the_longest_row_times_a_full_batch():
+    from zerolab.data import MicroBatches
+
+    lengths = [30, 70, 45, 52, 61, 20, 33]
+    worst = memory.worst_micro_batch([lengths], micro_batch_size=4, max_seq_length=128, packing=False)
+    assert (worst.rows, worst.seq_len, worst.tokens) == (4, 70, 280)
+    # Whatever the epoch's order, no padded micro-batch the workers build is larger.
+    mb = MicroBatches(rows_of(lengths), micro_batch_size=4, max_seq_length=128, packing=False, pad_id=0, seed=0)
+    shapes = [tuple(b.inputs["input_ids"].shape) for e in range(20) for b in map(mb.collate, mb.epoch_plan(e))]
+    assert max(r * s for r, s in shapes) == worst.tokens and max(s for _, s in shapes) == worst.seq_len
+    # A shard smaller than the micro-batch: all of its rows.
+    small = memory.worst_micro_batch([[10, 90]], micro_batch_size=16, max_seq_length=128, packing=False)
+    assert (small.rows, small.seq_len, small.tokens) == (2, 90, 180)
+
+
+def test_uneven_shards_take_the_largest_over_ranks():
+    ranks = [[100, 10, 10, 10], [60, 60], []]
+    worst = memory.worst_micro_batch(ranks, micro_batch_size=4, max_seq_length=128, packing=False)
+    assert (worst.rows, worst.seq_len, worst.tokens) == (4, 100, 400)
+    # Rank 1's batch is larger once rank 0's long row no longer meets a full batch.
+    worst = memory.worst_micro_batch([[100], [60, 60]], micro_batch_size=4, max_seq_length=128, packing=False)
+    assert (worst.rows, worst.seq_len, worst.tokens) == (2, 100, 120)
+    assert memory.worst_micro_batch([[], []], micro_batch_size=4, max_seq_length=128, packing=False) is None
+
+
+def test_packed_worst_micro_batch_is_the_largest_packed_batch_of_the_run():
+    from zerolab.data import MicroBatches
+
+    # Rows of 45 and 70 tokens pack into sequences of 45, 70, 90 or 115 tokens, never 128.
+    lengths = np.random.default_rng(1).choice([45, 70], size=60).tolist()
+    worst = memory.worst_micro_batch([lengths], micro_batch_size=3, max_seq_length=128, packing=True, seed=3,
+                                     num_micro_batches=20)
+    mb = MicroBatches(rows_of(lengths), micro_batch_size=3, max_seq_length=128, packing=True, pad_id=0, seed=3)
+    per_epoch = [len(mb.epoch_plan(e)) for e in range(3)]
+    assert per_epoch[0] < 20 <= sum(per_epoch[:2])  # the run goes into its second epoch
+    seen = [tuple(b.inputs["input_ids"].shape) for e in range(2) for b in map(mb.collate, mb.epoch_plan(e))]
+    assert worst.tokens == max(r * s for r, s in seen) and worst.seq_len == max(s for _, s in seen)
+    assert (worst.rows, worst.seq_len, worst.tokens) == (3, 115, 345)
+    # The padded bound would take the longest row alone: packing makes the micro-batch wider.
+    assert memory.worst_micro_batch([lengths], micro_batch_size=3, max_seq_length=128, packing=False).tokens == 210
+
+
+def test_batch_shape_counts_eval_and_the_shards_tokens():
+    cfg = load_config(None, ["train.micro_batch_size=4", "data.max_seq_length=512", "scaling.num_workers=2"])
+    data = memory.ShardLengths([[50] * 10, [60] * 10], [[40, 300], [20]])
+    shape = data.batch_shape(cfg)
+    # Evaluation (one pass in file order, padded) makes the largest micro-batch here: 2 × 300.
+    assert (shape.micro_batch.rows, shape.micro_batch.seq_len, shape.micro_batch.tokens) == (2, 300, 600)
+    assert shape.shard_rows == 12 and shape.shard_tokens == 500 + 340 and shape.from_data
+    # Evaluation goes through the rows in file order: the long row shares no micro-batch here.
+    in_order = memory.ShardLengths([[50] * 10, [60] * 10], [[40, 40, 40, 40, 300]]).batch_shape(cfg).micro_batch
+    assert (in_order.rows, in_order.seq_len, in_order.tokens) == (1, 300, 300)
+    without_eval = memory.ShardLengths([[50] * 10, [60] * 10]).batch_shape(cfg)
+    assert (without_eval.micro_batch.rows, without_eval.micro_batch.seq_len) == (4, 60)
+
+
+def _short_rows_cfg(*overrides: str):
+    return gpu_cfg("model.gradient_checkpointing=false", "data.max_seq_length=128", "train.micro_batch_size=16",
+                   "adapter.method=lora", "deepspeed.stage=2", *overrides, workers=2)
+
+
+def test_data_aware_estimate_is_lower_for_short_rows_and_equal_at_max_length():
+    cfg = _short_rows_cfg()
+    worst = memory.estimate(cfg, QWEN25_05B)
+    short = memory.ShardLengths([[67] * 100, [70] * 99 + [64]])
+    est = memory.estimate(cfg, QWEN25_05B, data=short)
+    assert est.data_aware and not worst.data_aware
+    assert (est.micro_batch_size, est.seq_len) == (16, 70)
+    # Every device term takes the data's micro-batch: as if the config said 16 × 70.
+    assert est.device == memory.estimate(_short_rows_cfg("data.max_seq_length=70"), QWEN25_05B).device
+    assert est.device["activations"] < 0.6 * worst.device["activations"]
+    assert est.device["logits and loss"] == 14 * 151936 * 16 * 70  # (e + 12)·V per token of 16 × 70
+    assert est.device_peak < worst.device_peak
+    # A worker holds its rows unpadded: 16 bytes per token (ids and labels) and a per-row overhead.
+    assert est.host_worker["dataset shard"] == 16 * (99 * 70 + 64) + 100 * est.calibration.host_row_bytes
+    full = memory.ShardLengths([[128] * 899, [128] * 899], [[128] * 100, [128] * 100])
+    at_max = memory.estimate(cfg, QWEN25_05B, data=full)
+    assert at_max.device == worst.device and at_max.device_phases == worst.device_phases
+    assert at_max.host_worker == worst.host_worker
+    # Shards split for another world size say nothing about this one: the worst case by config.
+    assert memory.estimate(_short_rows_cfg(), QWEN25_05B, data=memory.ShardLengths([[67] * 200])).device == worst.device
+
+
+def test_preflight_passes_a_job_that_fits_by_its_data_and_names_both_figures():
+    cfg = _short_rows_cfg("adapter.method=full", "train.micro_batch_size=64", "data.max_seq_length=2048")
+    data = memory.ShardLengths([[67] * 400, [70] * 400])
+    worst = memory.estimate(cfg, QWEN25_05B)
+    est = memory.estimate(cfg, QWEN25_05B, data=data)
+    limits = Limits(gpu_mem_bytes=(worst.device_total + est.device_total) // 2, gpus_per_node=2, host_mem_bytes=1024 * GIB)
+    with pytest.raises(MemoryPreflightError):
+        memory.preflight(cfg, QWEN25_05B, limits)
+    assert memory.preflight(cfg, QWEN25_05B, limits, data=data).device_total == est.device_total
+    line = memory.worst_case_by_config(cfg, QWEN25_05B, est, limits)
+    assert line.startswith("worst case by config (micro-batch 64 × 2048 tokens)") and "does not fit" not in line
+    too_long = memory.ShardLengths([[2000] * 400, [2048] * 400])
+    with pytest.raises(MemoryPreflightError, match=r"(?s)largest micro-batch of the data 131,072 tokens"):
+        memory.preflight(cfg, QWEN25_05B, Limits(gpu_mem_bytes=est.device_total, gpus_per_node=2), data=too_long)

@@ -1,8 +1,12 @@
-"""The memory preflight in front of every launch: an impossible job is refused before any worker
-starts, with the estimate, the limit and what would fit; --force launches it anyway."""
+"""The memory preflight in front of every launch, on the prepared data: a job that cannot fit by
+the micro-batches its shards will really make is refused before any worker starts, with the
+estimate, the worst case by config, the limit and what would fit; a job that fits by its data is
+launched although the worst case by config would not fit; --force lets a refused job through."""
 
 from __future__ import annotations
 
+import json
+import logging
 import subprocess
 import sys
 
@@ -13,8 +17,8 @@ from conftest import REPO, tiny_overrides
 pytestmark = pytest.mark.ray
 
 HUGE = {"train.micro_batch_size": 96, "data.max_seq_length": 32768, "train.max_steps": 2, "data.num_eval_rows": 0}
-"""The estimator takes the worst case, micro-batches of 96 samples of 32k tokens (terabytes of
-activations); the generated math rows are ~40 tokens, so the job itself is small."""
+"""By config, micro-batches of 96 samples of 32k tokens (terabytes of activations); the generated
+math rows are ~40 tokens, so the job itself is small."""
 
 
 def sft(tmp_path, *extra: str, **overrides) -> subprocess.CompletedProcess:
@@ -24,17 +28,42 @@ def sft(tmp_path, *extra: str, **overrides) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=600)
 
 
+def long_rows(tmp_path) -> str:
+    """16 rows of ~14k tokens each: 8 per worker make a micro-batch of ~110k tokens, far beyond this machine."""
+    path = tmp_path / "long.jsonl"
+    text = " ".join(str(i) for i in range(3000))
+    path.write_text("".join(json.dumps({"instruction": f"{k} {text}", "output": str(k)}) + "\n" for k in range(16)))
+    return str(path)
+
+
 def test_impossible_job_is_refused_with_the_options_that_fit(tmp_path, tiny_model_path):
-    proc = sft(tmp_path, **HUGE)
+    proc = sft(tmp_path, **{**HUGE, "train.micro_batch_size": 8, "data.train_path": long_rows(tmp_path)})
     assert proc.returncode == 2, proc.stderr[-2000:]
     err = proc.stderr
     assert "memory preflight: ZeRO-2" in err and "does not fit" in err and "host RAM" in err
+    assert "largest micro-batch of the data" in err and "(8 rows, padded to ≤ 13" in err
+    assert "worst case by config (micro-batch 8 × 32768 tokens)" in err
     assert "--set model.gradient_checkpointing=true train.micro_batch_size=" in err  # what would fit
     assert "--force" in err and "Traceback" not in err
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())  # nothing launched
 
 
-def test_force_launches_past_the_preflight(tmp_path, tiny_model_path):
-    proc = sft(tmp_path, "--force", **HUGE)
+def test_a_job_that_fits_by_its_data_launches(tmp_path, tiny_model_path):
+    proc = sft(tmp_path, **HUGE)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "launching anyway (--force): memory preflight: ZeRO-2" in proc.stderr
+    assert "memory preflight" not in proc.stderr
+    assert "largest micro-batch of the data" in proc.stderr and "; worst case by config (micro-batch 96 × 32768" in proc.stderr
+
+
+def test_force_lets_a_refused_job_past_the_preflight(ray_cluster, tmp_path, tiny_model_path, caplog):
+    from zerolab.config import load_config
+    from zerolab.run import check_memory, prepare_data
+
+    cfg = load_config(None, tiny_overrides(tmp_path, **{**HUGE, "train.micro_batch_size": 8,
+                                                        "data.train_path": long_rows(tmp_path)}))
+    datasets, _ = prepare_data(cfg, tiny_model_path)
+    with caplog.at_level(logging.WARNING, logger="zerolab"):
+        check = check_memory(cfg, force=True, datasets=datasets)
+    assert "launching anyway (--force): memory preflight: ZeRO-2" in caplog.text
+    assert check.estimate.data_aware and check.estimate.seq_len < 32768
+    assert check.params()["memory.estimate_by_config"].startswith("worst case by config")

@@ -21,7 +21,7 @@ import hashlib
 import json
 import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -436,6 +436,32 @@ def load_shard(iterator: Any) -> list[tuple[np.ndarray, np.ndarray]]:
     return [(np.asarray(ids, dtype=np.int64), np.asarray(lab, dtype=np.int64)) for ids, lab in rows]
 
 
+def epoch_order(num_rows: int, seed: int, epoch: int) -> list[int]:
+    """The order in which epoch ``epoch`` of a shard of ``num_rows`` rows visits them."""
+    return np.random.default_rng([seed, epoch]).permutation(num_rows).tolist()
+
+
+def plan_micro_batches(lengths: Sequence[int], order: Sequence[int], *, micro_batch_size: int, max_seq_length: int,
+                       packing: bool) -> list[list[list[int]]]:
+    """Micro-batches of sequences of row indices, visiting rows (of ``lengths[i]`` tokens) in
+    ``order``. Without packing every row is its own sequence; with packing consecutive rows share
+    one while it stays within ``max_seq_length`` tokens. A micro-batch is ``micro_batch_size``
+    consecutive sequences (the last one of a pass may hold fewer); :meth:`MicroBatches.collate`
+    pads it to its longest sequence."""
+    sequences: list[list[int]] = []
+    length = 0
+    for i in order:
+        n = lengths[i]
+        if packing and sequences and length + n <= max_seq_length:
+            sequences[-1].append(i)
+            length += n
+        else:
+            sequences.append([i])
+            length = n
+    k = micro_batch_size
+    return [sequences[j : j + k] for j in range(0, len(sequences), k)]
+
+
 @dataclass
 class Batch:
     """One micro-batch: model inputs plus the counts that normalise loss and throughput."""
@@ -470,21 +496,11 @@ class MicroBatches:
 
     def plan(self, order: list[int]) -> list[list[list[int]]]:
         """Micro-batches of sequences of row indices, visiting rows in ``order``."""
-        sequences: list[list[int]] = []
-        length = 0
-        for i in order:
-            n = len(self.rows[i][0])
-            if self.packing and sequences and length + n <= self.max_seq_length:
-                sequences[-1].append(i)
-                length += n
-            else:
-                sequences.append([i])
-                length = n
-        k = self.micro_batch_size
-        return [sequences[j : j + k] for j in range(0, len(sequences), k)]
+        return plan_micro_batches([len(ids) for ids, _ in self.rows], order, micro_batch_size=self.micro_batch_size,
+                                  max_seq_length=self.max_seq_length, packing=self.packing)
 
     def epoch_plan(self, epoch: int) -> list[list[list[int]]]:
-        return self.plan(np.random.default_rng([self.seed, epoch]).permutation(len(self.rows)).tolist())
+        return self.plan(epoch_order(len(self.rows), self.seed, epoch))
 
     def batches_per_epoch(self) -> int:
         return len(self.epoch_plan(0))

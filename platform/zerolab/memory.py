@@ -309,6 +309,146 @@ def trainable_params(shape: ModelShape, spec: AdapterSpec) -> int:
     return sum(p.total for p in parameter_inventory(shape, spec) if p.trainable)
 
 
+# --- the data: the largest micro-batch the workers will see ------------------------------------
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """The size of one micro-batch as the model gets it: ``rows`` sequences padded to ``seq_len``."""
+
+    rows: int
+    seq_len: int
+    tokens: int
+    """Tokens of the padded tensors, rows × seq_len (padding included: every layer runs on it)."""
+
+
+def worst_micro_batch(lengths_by_rank: Sequence[Sequence[int]], *, micro_batch_size: int, max_seq_length: int,
+                      packing: bool, seed: int = 0, num_micro_batches: int | None = None,
+                      shuffled: bool = True) -> MicroBatch | None:
+    """The largest micro-batch any rank will run, from the token length of every row of each
+    rank's shard (None when every shard is empty). Micro-batches are planned by
+    :func:`zerolab.data.plan_micro_batches`, exactly as the workers plan them, and padded to their
+    longest sequence (``MicroBatches.collate``).
+
+    ``tokens`` is the most tokens (rows × padded width) of any micro-batch and ``seq_len`` the
+    widest micro-batch; they can come from different micro-batches, so the pair bounds both the
+    per-token and the per-token × length terms of the estimate.
+
+    - ``shuffled`` without packing (training): every epoch visits the rows in a new order, so the
+      longest row of a shard meets a full micro-batch sooner or later: min(micro_batch_size, rows)
+      × the longest row, whatever the order.
+    - ``shuffled`` with packing: which rows share a sequence depends on the order, so each rank's
+      epochs are planned from ``seed`` (``zerolab.data.epoch_order``) until ``num_micro_batches``
+      micro-batches (one epoch when None), the stream the run takes.
+    - not ``shuffled`` (evaluation: one pass in file order): the micro-batches of that pass.
+    """
+    from zerolab.data import epoch_order, plan_micro_batches
+
+    best: MicroBatch | None = None
+    widest = 0
+    for lengths in lengths_by_rank:
+        lengths = [int(n) for n in lengths]
+        if not lengths:
+            continue
+        if shuffled and not packing:
+            candidates = [MicroBatch(min(micro_batch_size, len(lengths)), max(lengths), 0)]
+        else:
+            candidates = []
+            epoch, planned = 0, 0
+            while True:
+                order = epoch_order(len(lengths), seed, epoch) if shuffled else list(range(len(lengths)))
+                plan = plan_micro_batches(lengths, order, micro_batch_size=micro_batch_size, max_seq_length=max_seq_length,
+                                          packing=packing)
+                candidates += [MicroBatch(len(b), max(sum(lengths[i] for i in seq) for seq in b), 0) for b in plan]
+                planned += len(plan)
+                epoch += 1
+                if not shuffled or num_micro_batches is None or planned >= num_micro_batches or not plan:
+                    break
+        for c in candidates:
+            widest = max(widest, c.seq_len)
+            if best is None or c.rows * c.seq_len > best.tokens:
+                best = MicroBatch(c.rows, c.seq_len, c.rows * c.seq_len)
+    return None if best is None else MicroBatch(best.rows, widest, best.tokens)
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """What the estimate takes from the data: the largest micro-batch (training or evaluation) and
+    the largest shard a worker holds in host memory."""
+
+    micro_batch: MicroBatch
+    shard_rows: int
+    """Rows of one worker's train and eval shards together (the largest over ranks)."""
+    shard_tokens: int
+    """Their tokens (unpadded: a worker keeps its rows as they are)."""
+    from_data: bool
+    """True when measured on the job's shards, False for the worst case by config."""
+
+    @classmethod
+    def from_config(cls, cfg: SFTConfig) -> BatchShape:
+        """The worst case the config allows: every micro-batch ``micro_batch_size`` × ``max_seq_length``,
+        every row ``max_seq_length`` tokens, ⌈rows / N⌉ rows of each split per worker."""
+        s, n = cfg.data.max_seq_length, cfg.world_size()
+        rows = math.ceil(cfg.data.num_train_rows / n) + math.ceil(cfg.data.num_eval_rows / n)
+        return cls(MicroBatch(cfg.train.micro_batch_size, s, cfg.train.micro_batch_size * s), rows, rows * s, False)
+
+    def describe(self) -> str:
+        b = self.micro_batch
+        if not self.from_data:
+            return f"micro-batch {b.rows} × {b.seq_len} tokens (the worst case by config)"
+        return f"largest micro-batch of the data {b.tokens:,} tokens ({b.rows} rows, padded to ≤ {b.seq_len})"
+
+
+class ShardLengths:
+    """The token length of every row of each rank's shards, as the workers get them: ``train[r]``
+    (``Dataset.split(N, equal=True)``) and ``eval[r]`` (empty without an eval split). Valid for the
+    world size it was split for; :meth:`batch_shape` is cached per batching setting."""
+
+    def __init__(self, train: Sequence[Sequence[int]], eval: Sequence[Sequence[int]] = ()) -> None:
+        self.train = [list(map(int, r)) for r in train]
+        self.eval = [list(map(int, r)) for r in eval]
+        self._cache: dict[tuple[Any, ...], BatchShape] = {}
+
+    @property
+    def world_size(self) -> int:
+        return len(self.train)
+
+    def batch_shape(self, cfg: SFTConfig) -> BatchShape:
+        """The largest micro-batch of ``cfg``'s training run over these shards (its packed epochs
+        are planned for the micro-batches the run takes, as ``zerolab.train`` counts its steps) and
+        of its evaluation pass, and the largest shard."""
+        t, d = cfg.train, cfg.data
+        key = (t.micro_batch_size, d.max_seq_length, d.packing, t.seed, t.max_steps, t.num_epochs, t.grad_accum_steps)
+        if key not in self._cache:
+            consumed = None
+            if d.packing:
+                # zerolab.train._total_steps: max_steps, or epochs × the smallest rank's steps per epoch.
+                per_epoch = min(len(_epoch0_plan(r, t.micro_batch_size, d.max_seq_length, t.seed)) for r in self.train)
+                steps = t.max_steps or max(1, t.num_epochs * (per_epoch // t.grad_accum_steps))
+                consumed = steps * t.grad_accum_steps
+            train = worst_micro_batch(self.train, micro_batch_size=t.micro_batch_size, max_seq_length=d.max_seq_length,
+                                      packing=d.packing, seed=t.seed, num_micro_batches=consumed)
+            evals = worst_micro_batch(self.eval, micro_batch_size=t.micro_batch_size, max_seq_length=d.max_seq_length,
+                                      packing=False, shuffled=False)
+            assert train is not None, "the train shards hold no rows"
+            # Evaluation runs without gradients, so its micro-batch counts as a training one (an upper bound).
+            largest = train if evals is None or train.tokens >= evals.tokens else evals
+            micro = MicroBatch(largest.rows, max(train.seq_len, evals.seq_len if evals else 0), largest.tokens)
+            ranks = range(self.world_size)
+            shard_rows = max(len(self.train[r]) + (len(self.eval[r]) if r < len(self.eval) else 0) for r in ranks)
+            shard_tokens = max(sum(self.train[r]) + (sum(self.eval[r]) if r < len(self.eval) else 0) for r in ranks)
+            self._cache[key] = BatchShape(micro, shard_rows, shard_tokens, True)
+        return self._cache[key]
+
+
+def _epoch0_plan(lengths: Sequence[int], micro_batch_size: int, max_seq_length: int, seed: int) -> list[Any]:
+    """Epoch 0's packed micro-batches of one shard (how ``MicroBatches.batches_per_epoch`` counts them)."""
+    from zerolab.data import epoch_order, plan_micro_batches
+
+    return plan_micro_batches(lengths, epoch_order(len(lengths), seed, 0), micro_batch_size=micro_batch_size,
+                              max_seq_length=max_seq_length, packing=True)
+
+
 # --- limits of the machine --------------------------------------------------------------------
 
 
@@ -476,7 +616,9 @@ class Estimate:
     use_gpu: bool
     precision: str
     micro_batch_size: int
+    """Rows of the largest micro-batch (``train.micro_batch_size`` unless measured on the data)."""
     seq_len: int
+    """The longest padded sequence of a micro-batch (``data.max_seq_length`` unless measured on the data)."""
     gradient_checkpointing: bool
     total_params: int
     trainable_params: int
@@ -497,6 +639,12 @@ class Estimate:
     """Per node, once: Ray services and the driver."""
     calibration: Calibration
     notes: tuple[str, ...] = ()
+    batch: BatchShape | None = None
+    """The micro-batch and shard sizes the figures are for (data-aware or the worst case by config)."""
+
+    @property
+    def data_aware(self) -> bool:
+        return self.batch is not None and self.batch.from_data
 
     @property
     def device_peak(self) -> int:
@@ -677,13 +825,18 @@ def load_model_config(cfg: SFTConfig) -> Any:
         raise ModelLoadError(_load_failure(cfg.model.name_or_path, "model config", exc)) from exc
 
 
-def estimate(cfg: SFTConfig, model_config: Any, *, calibration: Calibration = DEFAULT_CALIBRATION) -> Estimate:
+def estimate(cfg: SFTConfig, model_config: Any, *, calibration: Calibration = DEFAULT_CALIBRATION,
+             data: ShardLengths | None = None) -> Estimate:
     """Predict the memory of ``cfg`` on the model described by ``model_config`` (a transformers
     config, a dict of its fields, or a :class:`ModelShape`).
 
-    Sequence length is ``data.max_seq_length``: the worst case (packed batches fill it; padded
-    batches reach it when one sample does). Raises ConfigError when the DeepSpeed JSON does not
-    resolve and MemoryEstimateError for unsupported models.
+    With ``data`` (the token lengths of the job's shards, for ``cfg``'s world size) every term
+    that depends on tokens or sequence length takes the largest micro-batch the workers will
+    really run (:meth:`ShardLengths.batch_shape`) and the shards' real tokens; without it, or
+    when ``cfg`` has another world size than ``data`` was split for, the worst case by config:
+    ``micro_batch_size`` × ``data.max_seq_length`` tokens (:meth:`BatchShape.from_config`).
+    Raises ConfigError when the DeepSpeed JSON does not resolve and MemoryEstimateError for
+    unsupported models.
     """
     shape = model_config if isinstance(model_config, ModelShape) else ModelShape.from_config(model_config)
     knobs = _ZeroKnobs.resolve(cfg, shape.hidden_size)
@@ -695,16 +848,17 @@ def estimate(cfg: SFTConfig, model_config: Any, *, calibration: Calibration = DE
         notes.append(f"adapter.target_modules {unknown} are not projections this estimator knows; they were left out")
     if shape.model_type not in ("qwen2", "llama", "mistral"):
         notes.append(f"model_type {shape.model_type!r} estimated as a Llama/Qwen2-style decoder")
-    return _Estimator(cfg, shape, inventory, knobs, option, calibration, tuple(notes)).run()
+    batch = data.batch_shape(cfg) if data is not None and data.world_size == cfg.world_size() else BatchShape.from_config(cfg)
+    return _Estimator(cfg, shape, inventory, knobs, option, calibration, tuple(notes), batch).run()
 
 
 class _Estimator:
     """The formulas, one method per component. Notation: N world size, P all parameters, T
     trainable parameters, e bytes per element of the training precision, B×S tokens per
-    micro-batch, h hidden, I intermediate, V vocabulary, L layers."""
+    micro-batch (B rows padded to S: ``batch``), h hidden, I intermediate, V vocabulary, L layers."""
 
     def __init__(self, cfg: SFTConfig, shape: ModelShape, inventory: list[ParamSpec], knobs: _ZeroKnobs, option: Option,
-                 calibration: Calibration, notes: tuple[str, ...]) -> None:
+                 calibration: Calibration, notes: tuple[str, ...], batch: BatchShape | None = None) -> None:
         self.cfg, self.shape, self.inv, self.knobs, self.option, self.cal = cfg, shape, inventory, knobs, option, calibration
         self.notes = list(notes)
         self.n = cfg.world_size()
@@ -714,7 +868,9 @@ class _Estimator:
         self.offload_param = option.offload == "all"
         self.e = 4 if cfg.precision() == "fp32" else 2
         self.peft = cfg.adapter.is_peft()
-        self.tokens = cfg.train.micro_batch_size * cfg.data.max_seq_length
+        self.batch = batch or BatchShape.from_config(cfg)
+        self.tokens = self.batch.micro_batch.tokens
+        self.seq_len = self.batch.micro_batch.seq_len
         # varlen attention runs on GPUs only; elsewhere the model loads with sdpa (zerolab.kernels).
         self.attn = "sdpa" if cfg.model.attn_implementation == "varlen" and not self.gpu else cfg.model.attn_implementation
         from zerolab.kernels import use_fused_loss, use_liger
@@ -897,7 +1053,7 @@ class _Estimator:
         gate/up, e·I for down, where nothing else keeps them.
         """
         s, e = self.shape, self.e
-        h, inter, s_len = s.hidden_size, s.intermediate_size, self.cfg.data.max_seq_length
+        h, inter, s_len = s.hidden_size, s.intermediate_size, self.seq_len
         full = not self.peft
         attn = self.attn
         targets, _ = target_projections(self.cfg.adapter)
@@ -945,7 +1101,7 @@ class _Estimator:
         s, e = self.shape, self.e
         head_trains = not self.peft or "lm_head" in target_projections(self.cfg.adapter)[0]
         other = self._norm_bytes(trains=head_trains) + 2 * e * s.head_dim
-        other += self.cfg.data.max_seq_length + 16
+        other += self.seq_len + 16
         if self.cfg.model.gradient_checkpointing:
             layers = s.num_layers * e * s.hidden_size
         else:
@@ -1066,8 +1222,7 @@ class _Estimator:
         host_cpu_tensor_factor; the
         final save on rank 0 (full fine-tuning gathers the whole state dict: P·e)."""
         cal, e, n = self.cal, self.e, self.n
-        rows = math.ceil(self.cfg.data.num_train_rows / n) + math.ceil(self.cfg.data.num_eval_rows / n)
-        dataset = rows * (16 * self.cfg.data.max_seq_length + cal.host_row_bytes)
+        dataset = 16 * self.batch.shard_tokens + self.batch.shard_rows * cal.host_row_bytes
         base = cal.host_process_gpu_bytes if self.gpu else cal.host_process_cpu_bytes
         # Loaded in the training precision; peft's adapters are created in fp32 before DeepSpeed casts them.
         weights_bytes = sum(p.total * (4 if p.adapter else e) for p in self.inv)
@@ -1137,11 +1292,12 @@ class _Estimator:
             self.notes.append("ZeRO-3 on one GPU partitions nothing: it holds what ZeRO-0 holds and adds gathering overhead")
         return Estimate(
             option=self.option, shape=self.shape, world_size=self.n, use_gpu=self.gpu, precision=self.cfg.precision(),
-            micro_batch_size=self.cfg.train.micro_batch_size, seq_len=self.cfg.data.max_seq_length,
+            micro_batch_size=self.batch.micro_batch.rows, seq_len=self.seq_len,
             gradient_checkpointing=self.cfg.model.gradient_checkpointing, total_params=self.P - sum(
                 p.total for p in self.inv if p.adapter and not p.trainable), trainable_params=self.T,
             device=device, device_phases=phases, device_outside_allocator=outside, host_worker=host_worker,
             host_worker_phases=host_phases, host_other_worker_phases=host_other, host_node=host_node, calibration=self.cal, notes=tuple(self.notes),
+            batch=self.batch,
         )
 
 
@@ -1158,9 +1314,11 @@ def _pow2(x: int) -> int:
 
 
 def plan_options(cfg: SFTConfig, model_config: Any, limits: Limits | None = None, *,
-                 options: Iterable[Option] = ALL_OPTIONS, calibration: Calibration = DEFAULT_CALIBRATION) -> list[PlanRow]:
-    """Estimate ``cfg`` under each option (stage × offload); options the config's own validation
-    rejects (e.g. AdaLoRA beyond ZeRO-0) come back with ``invalid`` set and no estimate."""
+                 options: Iterable[Option] = ALL_OPTIONS, calibration: Calibration = DEFAULT_CALIBRATION,
+                 data: ShardLengths | None = None) -> list[PlanRow]:
+    """Estimate ``cfg`` under each option (stage × offload), on ``data``'s shards when given (see
+    :func:`estimate`); options the config's own validation rejects (e.g. AdaLoRA beyond ZeRO-0)
+    come back with ``invalid`` set and no estimate."""
     limits = limits or Limits()
     base_problems = set(validate(cfg))
     options = list(options)
@@ -1172,7 +1330,7 @@ def plan_options(cfg: SFTConfig, model_config: Any, limits: Limits | None = None
         problems = [p for p in validate(variant) if p not in base_problems]
         if not problems:
             try:
-                est = estimate(variant, model_config, calibration=calibration)
+                est = estimate(variant, model_config, calibration=calibration, data=data)
             except ConfigError as exc:  # e.g. no shipped DeepSpeed JSON offloads the optimizer alone under ZeRO-3
                 problems = exc.problems
         if problems:
@@ -1183,13 +1341,15 @@ def plan_options(cfg: SFTConfig, model_config: Any, limits: Limits | None = None
 
 
 def recommend(cfg: SFTConfig, model_config: Any, limits: Limits | None = None, *,
-              rows: list[PlanRow] | None = None, calibration: Calibration = DEFAULT_CALIBRATION) -> Recommendation | None:
+              rows: list[PlanRow] | None = None, calibration: Calibration = DEFAULT_CALIBRATION,
+              data: ShardLengths | None = None) -> Recommendation | None:
     """The fastest option that fits ``limits`` (ZeRO-0 when it fits; ZeRO-3 and offload only to
     fit), with the reason. When none fits, tries one worker per available GPU (if the job asks
     for more workers than there are GPUs), gradient checkpointing, then halving the micro-batch;
-    returns None if even micro-batch 1 with checkpointing does not fit."""
+    returns None if even micro-batch 1 with checkpointing does not fit. ``data`` as in
+    :func:`estimate` (a variant with fewer workers has other shards: it gets the worst case by config)."""
     limits = limits or Limits()
-    rows = rows if rows is not None else plan_options(cfg, model_config, limits, calibration=calibration)
+    rows = rows if rows is not None else plan_options(cfg, model_config, limits, calibration=calibration, data=data)
     best = _fastest_fitting(rows)
     if best is not None:
         return Recommendation(best.option, best.estimate, _reason(best, rows))  # type: ignore[arg-type]
@@ -1209,7 +1369,8 @@ def recommend(cfg: SFTConfig, model_config: Any, limits: Limits | None = None, *
                          (*extra, f"train.micro_batch_size={batch}")))
         batch //= 2
     for variant, changes in attempts:
-        found = _fastest_fitting(plan_options(variant, model_config, limits, options=[r.option for r in rows], calibration=calibration))
+        found = _fastest_fitting(plan_options(variant, model_config, limits, options=[r.option for r in rows],
+                                              calibration=calibration, data=data))
         if found is not None:
             what = " and ".join(changes)
             reason = f"no option fits as configured; with {what} {found.option.label} fits ({_fit_figures(found)})"
@@ -1256,30 +1417,35 @@ def _over(row: PlanRow) -> str:
 
 
 def preflight(cfg: SFTConfig, model_config: Any, limits: Limits | None = None, *,
-              calibration: Calibration = DEFAULT_CALIBRATION) -> Estimate:
+              calibration: Calibration = DEFAULT_CALIBRATION, data: ShardLengths | None = None) -> Estimate:
     """Estimate ``cfg`` and check it against ``limits`` (default: this machine, :meth:`Limits.detect`).
-    Returns the estimate when it fits (or when a limit is unknown); raises
-    :class:`MemoryPreflightError` naming the estimate, the limit and the options that would fit."""
+    With ``data`` (the job's shards) the check uses the data-aware estimate, so a job that fits by
+    its real micro-batches is not refused by the worst case the config allows. Returns the
+    estimate when it fits (or when a limit is unknown); raises :class:`MemoryPreflightError` naming
+    the estimate (and the worst case by config next to it), the limit and the options that would fit."""
     limits = limits if limits is not None else Limits.detect()
-    est = estimate(cfg, model_config, calibration=calibration)
+    est = estimate(cfg, model_config, calibration=calibration, data=data)
     fit = est.fits(limits)
     if fit.fits:
         return est
-    rows = plan_options(cfg, model_config, limits, calibration=calibration)
+    rows = plan_options(cfg, model_config, limits, calibration=calibration, data=data)
     fitting = sorted((r for r in rows if r.fit is not None and r.fit.fits),
                      key=lambda r: RELATIVE_STEP_TIME[(r.option.stage, r.option.offload)])
     problems = "; ".join(r.replace(" — too much", "") for r in fit.reasons if "too much" in r or r.startswith("GPUs:"))
     lines = [
         f"memory preflight: {est.option.label} on {limits.describe()} does not fit: {problems}.",
         f"  estimate: {est.summary(limits)}; {est.shape.describe()}; {_count(est.trainable_params)} trainable "
-        f"({est.precision}), micro-batch {est.micro_batch_size} × {est.seq_len} tokens, world size {est.world_size}"
+        f"({est.precision}), {est.batch.describe() if est.batch else ''}, world size {est.world_size}"
         f"{', gradient checkpointing' if est.gradient_checkpointing else ''}.",
     ]
+    by_config = worst_case_by_config(cfg, model_config, est, limits, calibration=calibration)
+    if by_config:
+        lines.append(f"  {by_config}.")
     if fitting:
         lines.append("  options that fit (fastest first): " + "; ".join(
             f"--set {' '.join(r.option.overrides())} → {r.estimate.summary(limits)}" for r in fitting if r.estimate))
     else:
-        rec = recommend(cfg, model_config, limits, rows=rows, calibration=calibration)
+        rec = recommend(cfg, model_config, limits, rows=rows, calibration=calibration, data=data)
         if rec is not None:
             lines.append(f"  no stage or offload option fits as configured; this would: --set {' '.join(rec.overrides)} "
                          f"{' '.join(rec.option.overrides())} ({rec.reason})")
@@ -1288,6 +1454,19 @@ def preflight(cfg: SFTConfig, model_config: Any, limits: Limits | None = None, *
                          "shorten data.max_seq_length, or train an adapter instead of the full model.")
     lines.append("  The table: python jobs/estimate.py with the same --config/--set. Pass --force to launch anyway.")
     raise MemoryPreflightError("\n".join(lines), estimate=est, limits=limits, fit=fit, fitting=fitting)
+
+
+def worst_case_by_config(cfg: SFTConfig, model_config: Any, est: Estimate, limits: Limits | None = None, *,
+                         calibration: Calibration = DEFAULT_CALIBRATION) -> str | None:
+    """For a data-aware ``est``: the worst case the config allows, as one line, when its figures
+    differ (None otherwise)."""
+    if not est.data_aware:
+        return None
+    worst = estimate(cfg, model_config, calibration=calibration)
+    if worst.summary(limits) == est.summary(limits):
+        return None
+    assert worst.batch is not None
+    return f"worst case by config ({worst.batch.describe().removesuffix(' (the worst case by config)')}): {worst.summary(limits)}"
 
 
 # --- formatting --------------------------------------------------------------------------------
@@ -1343,8 +1522,9 @@ def format_table(rows: list[PlanRow], limits: Limits) -> str:
 
 
 __all__ = [
-    "ALL_OPTIONS", "Calibration", "DEFAULT_CALIBRATION", "Estimate", "Fit", "Limits", "MemoryEstimateError",
-    "MemoryPreflightError", "ModelShape", "Option", "ParamSpec", "PlanRow", "Recommendation", "estimate", "format_table",
-    "load_model_config", "parameter_inventory", "parse_size", "plan_options", "preflight", "recommend", "trainable_params",
+    "ALL_OPTIONS", "BatchShape", "Calibration", "DEFAULT_CALIBRATION", "Estimate", "Fit", "Limits", "MemoryEstimateError",
+    "MemoryPreflightError", "MicroBatch", "ModelShape", "Option", "ParamSpec", "PlanRow", "Recommendation", "ShardLengths",
+    "estimate", "format_table", "load_model_config", "parameter_inventory", "parse_size", "plan_options", "preflight",
+    "recommend", "trainable_params", "worst_case_by_config", "worst_micro_batch",
 ]
 

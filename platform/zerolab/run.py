@@ -87,8 +87,8 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
         check_resources(cfg)
         model_path = resolve_model_path(cfg.model.name_or_path)
         resolved_ds = check_against_model(cfg)
-        memory = check_memory(cfg, force=force)
         splits, reports = prepare_data(cfg, model_path)
+        memory = check_memory(cfg, force=force, datasets=splits)
         if resume.checkpoint:
             logger.info("%s %s from %s", "continuing finished run" if resume.extends else "resuming", cfg.run.name, resume.checkpoint)
         warn_if_node_local(uri)
@@ -430,6 +430,8 @@ class MemoryCheck:
     estimate: Any = None
     limits: Any = None
     note: str = ""
+    by_config: str | None = None
+    """The worst case by config, where it differs from a data-aware ``estimate``."""
 
     PAIRS = (("gpu_peak_allocated_gib", "device_peak"), ("gpu_peak_reserved_gib", "device_reserved"),
              ("host_rss_peak_gib", "host_workers"))
@@ -447,7 +449,8 @@ class MemoryCheck:
     def params(self) -> dict[str, Any]:
         if self.estimate is None:
             return {"memory.estimate": self.note or "unavailable"}
-        return {"memory.estimate": self.estimate.summary(self.limits), "memory.limits": self.limits.describe()}
+        params = {"memory.estimate": self.estimate.summary(self.limits), "memory.limits": self.limits.describe()}
+        return {**params, **({"memory.estimate_by_config": self.by_config} if self.by_config else {})}
 
     def predicted(self) -> dict[str, float]:
         return {f"mem/pred_{name}": value / 2**30 for name, value in self._predicted_bytes().items()}
@@ -462,17 +465,20 @@ class MemoryCheck:
         return out
 
 
-def check_memory(cfg: SFTConfig, *, force: bool = False) -> MemoryCheck:
+def check_memory(cfg: SFTConfig, *, force: bool = False, datasets: dict[str, Any] | None = None) -> MemoryCheck:
     """Estimate the job's memory per GPU and per node and refuse it when it cannot fit the nodes it
-    would run on (raises MemoryPreflightError, which names the options that would fit). ``force``
-    launches anyway, with a warning. Models the estimator does not know are let through."""
+    would run on (raises MemoryPreflightError, which names the options that would fit). With the
+    prepared ``datasets`` the estimate takes the largest micro-batch the workers' shards will make
+    (and the worst case by config is logged next to it); without, the worst case by config.
+    ``force`` launches anyway, with a warning. Models the estimator does not know are let through."""
     from zerolab import memory
 
     try:
         model_config = memory.load_model_config(cfg)
         limits = cluster_limits(cfg)
+        data = shard_lengths(datasets, cfg.world_size()) if datasets else None
         try:
-            est = memory.preflight(cfg, model_config, limits)
+            est = memory.preflight(cfg, model_config, limits, data=data)
         except memory.MemoryPreflightError as exc:
             if not force:
                 raise
@@ -483,8 +489,27 @@ def check_memory(cfg: SFTConfig, *, force: bool = False) -> MemoryCheck:
     except memory.MemoryEstimateError as exc:
         logger.warning("no memory estimate for this job, so no preflight check: %s", exc)
         return MemoryCheck(note=str(exc))
-    logger.info("memory estimate: %s on %s", est.summary(limits), limits.describe())
-    return MemoryCheck(est, limits)
+    by_config = memory.worst_case_by_config(cfg, model_config, est, limits)
+    logger.info("memory estimate: %s on %s (%s)%s", est.summary(limits), limits.describe(), est.batch.describe(),
+                f"; {by_config}" if by_config else "")
+    return MemoryCheck(est, limits, by_config=by_config)
+
+
+def shard_lengths(datasets: dict[str, Any], world_size: int) -> Any:
+    """The token length of every row of each rank's shards (a ``zerolab.memory.ShardLengths``),
+    split as :func:`zerolab.data.sharded_data_config` splits the materialized datasets."""
+    import pyarrow.compute as pc
+
+    from zerolab.memory import ShardLengths
+
+    def lengths(shard: Any) -> list[int]:
+        out: list[int] = []
+        for batch in shard.iter_batches(batch_format="pyarrow", batch_size=4096):
+            out += pc.list_value_length(batch["input_ids"]).to_pylist()
+        return out
+
+    shards = {name: ds.split(world_size, equal=(name == "train")) for name, ds in datasets.items()}
+    return ShardLengths([lengths(s) for s in shards["train"]], [lengths(s) for s in shards.get("eval", [])])
 
 
 def cluster_limits(cfg: SFTConfig) -> Any:
