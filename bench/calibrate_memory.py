@@ -298,10 +298,7 @@ def predict_overrides(overrides: list[str], shape: str, calibration: Any = None,
                     else load_model_config(load_config(None, [])))
     est = estimate(cfg, model_config, calibration=calibration or DEFAULT_CALIBRATION, data=data)
     gpu, workers = cfg.scaling.use_gpu, cfg.world_size()
-    # The run's mem/host_rss_peak_gib is read at its last logging step, before the final checkpoint
-    # is saved: compare with the workers' peak over the phases up to then.
-    rank0 = max(v for k, v in est.host_worker_phases.items() if k != "checkpoint save")
-    host = rank0 + (workers - 1) * est.host_worker_peak(rank0=False)
+    host = est.host_workers_before_save(workers)
     return {"pred_gpu_alloc_gib": est.device_peak / GIB if gpu else 0.0,
             "pred_gpu_reserved_gib": est.device_reserved / GIB if gpu else 0.0,
             "pred_host_workers_gib": host / GIB, "pred_node_total_gib": est.host_total(workers) / GIB,

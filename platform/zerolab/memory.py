@@ -686,6 +686,13 @@ class Estimate:
         n = self.world_size if workers_per_node is None else workers_per_node
         return self.host_worker_peak(rank0=True) + (n - 1) * self.host_worker_peak(rank0=False)
 
+    def host_workers_before_save(self, workers_per_node: int | None = None) -> int:
+        """``host_workers`` up to the final checkpoint's save: what a run's ``mem/host_rss_peak_gib``,
+        read at its last logging step, measures (the save phase is still counted by the preflight)."""
+        n = self.world_size if workers_per_node is None else workers_per_node
+        rank0 = max(v for k, v in self.host_worker_phases.items() if k != "checkpoint save")
+        return rank0 + (n - 1) * self.host_worker_peak(rank0=False)
+
     def host_total(self, workers_per_node: int | None = None) -> int:
         """Host RAM the fullest node needs: its workers plus Ray services and the driver."""
         return self.host_workers(workers_per_node) + sum(self.host_node.values())

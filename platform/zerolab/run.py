@@ -442,7 +442,7 @@ class MemoryCheck:
         if est is None:
             return {}
         figures = {"device_peak": est.device_peak, "device_reserved": est.device_reserved,
-                   "host_workers": est.host_workers(est.workers_per_node(self.limits))}
+                   "host_workers": est.host_workers_before_save(est.workers_per_node(self.limits))}
         keys = self.PAIRS if est.use_gpu else self.PAIRS[2:]
         return {name: figures[attr] for name, attr in keys}
 
