@@ -16,7 +16,17 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port, tiny_overrides
-from zerolab.checkpoints import JOB_CONFIG_FILE, SNAPSHOT_FILE, CheckpointError, RunFolder, prepare_run_folder
+from zerolab.checkpoints import (
+    JOB_CONFIG_FILE,
+    LOCK_FILE,
+    SNAPSHOT_FILE,
+    CheckpointError,
+    RunFinished,
+    RunFolder,
+    RunRecord,
+    choose_checkpoint,
+    prepare_run_folder,
+)
 from zerolab.config import load_config
 
 BUCKET = "zerolab"
@@ -156,23 +166,29 @@ def test_s3_run_folder_killed_worker_resume_and_mlflow_artifacts(s3_ray, s3_env,
     for path in config_dir.iterdir():
         assert_no_credentials(path.read_text(), f"the config artifact {path.name}")
     job = s3.get_object(Bucket=BUCKET, Key=f"{run_key}/{JOB_CONFIG_FILE}")["Body"].read().decode()
-    assert json.loads(job)["run.storage_path"] == f"s3://{BUCKET}/runs"
+    record = json.loads(job)
+    assert (record["status"], record["run_id"], record["checkpoint"]) == ("finished", result.run_id, "checkpoint_0000020")
+    assert record["config"]["run.storage_path"] == f"s3://{BUCKET}/runs"
     assert_no_credentials(job, JOB_CONFIG_FILE)
+    assert f"{run_key}/{LOCK_FILE}" not in keys  # released
 
-    # The relaunch checks read the run folder in the bucket: the same job resumes from its newest
-    # checkpoint; a truncated model state there is refused by its S3 path.
-    assert prepare_run_folder(cfg, storage_path(cfg), restart=False) == "checkpoint_0000020"
+    # The relaunch checks read the run folder in the bucket: the finished run is not trained again,
+    # and a truncated model state in its newest checkpoint gives way to the one before.
+    with pytest.raises(RunFinished, match=f"its adapter is {final}/adapter"):
+        prepare_run_folder(cfg, storage_path(cfg), restart=False)
     state_key = f"{run_key}/checkpoint_0000020/deepspeed/state/mp_rank_00_model_states.pt"
     state = s3.get_object(Bucket=BUCKET, Key=state_key)["Body"].read()
     s3.put_object(Bucket=BUCKET, Key=state_key, Body=state[: len(state) // 2])
-    with pytest.raises(CheckpointError, match=f"checkpoint {final} is corrupt: mp_rank_00_model_states.pt cannot be read"):
-        prepare_run_folder(cfg, storage_path(cfg), restart=False)
+    folder = RunFolder.of(cfg, storage_path(cfg))
+    assert choose_checkpoint(folder, stage=cfg.deepspeed.stage, world_size=cfg.world_size()) == "checkpoint_0000015"
+    assert latest_checkpoint(s3, run_key) == "checkpoint_0000015"  # Ray Train's snapshot in the bucket, rewritten
 
 
 def test_credentials_in_the_storage_uri_are_never_shown_or_stored(s3_endpoint, tmp_path, monkeypatch):
     """pyarrow also takes credentials and the endpoint in the URI itself
     (``s3://KEY:SECRET@bucket/path?endpoint_override=host:port&scheme=http``)."""
     from zerolab.run import trainer_storage
+    from zerolab.tracking import mask_params
 
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_PROFILE"):
         monkeypatch.delenv(key, raising=False)
@@ -184,15 +200,18 @@ def test_credentials_in_the_storage_uri_are_never_shown_or_stored(s3_endpoint, t
 
     folder = RunFolder.of(cfg, storage)
     assert folder.uri == "s3://creds/runs/uri-creds"
-    assert prepare_run_folder(cfg, storage, restart=False) is None  # a new run; the folder is written with the URI's keys
-    recorded = json.dumps(folder.read_json(JOB_CONFIG_FILE))
-    assert "s3://***@creds/runs" in recorded
-    assert_no_credentials(recorded, JOB_CONFIG_FILE)
-    with pytest.raises(CheckpointError) as refused:  # a changed config on relaunch: the message names the folder
-        prepare_run_folder(load_config(None, [*tiny_overrides(tmp_path, **{"run.storage_path": storage, "run.name": "uri-creds"}),
-                                              "adapter.r=16"]), storage, restart=False)
-    assert "s3://creds/runs/uri-creds" in str(refused.value)
-    assert_no_credentials(str(refused.value), "the relaunch error")
+    with folder.locked():  # written through the URI's own keys and endpoint
+        assert prepare_run_folder(cfg, storage, restart=False).record is None  # a new run
+        folder.write_record(RunRecord(config=mask_params(cfg.flat()), status="finished", step=cfg.train.max_steps,
+                                         checkpoint=f"checkpoint_{cfg.train.max_steps:07d}"))
+    assert folder.read_record().config["run.storage_path"] == "s3://***@creds/runs?endpoint_override=" + f"{host}&scheme=http"
+
+    changed = load_config(None, [*tiny_overrides(tmp_path, **{"run.storage_path": storage, "run.name": "uri-creds"}), "adapter.r=16"])
+    for relaunch, error in ((cfg, RunFinished), (changed, CheckpointError)):
+        with pytest.raises(error) as refused:
+            prepare_run_folder(relaunch, storage, restart=False)
+        assert "s3://creds/runs/uri-creds" in str(refused.value)  # the message names the folder, without the keys
+        assert_no_credentials(str(refused.value), f"the relaunch error {error.__name__}")
 
     path, filesystem = trainer_storage(cfg)  # what Ray Train records and shows as the storage path
     assert path == "creds/runs" and filesystem is not None
