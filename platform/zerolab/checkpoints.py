@@ -105,6 +105,15 @@ class RunRecord:
         return cls(**known)
 
 
+def location(fs: pafs.FileSystem, path: str) -> str:
+    """``path`` on ``fs`` as users write it: a local path as it is, else ``<scheme>://<path>``.
+
+    Built from the resolved filesystem, not from the configured URI, so credentials in that URI
+    (``s3://key:secret@bucket/...``) and its options (``?endpoint_override=...``) are never shown.
+    """
+    return path if isinstance(fs, pafs.LocalFileSystem) else f"{fs.type_name}://{path}"
+
+
 @dataclass
 class RunFolder:
     fs: pafs.FileSystem
@@ -115,7 +124,8 @@ class RunFolder:
     def of(cls, cfg: SFTConfig, storage_path: str) -> RunFolder:
         assert cfg.run.name, "the run name is resolved before the run folder is opened"
         fs, root = pafs.FileSystem.from_uri(storage_path)
-        return cls(fs=fs, path=f"{root.rstrip('/')}/{cfg.run.name}", uri=f"{storage_path.rstrip('/')}/{cfg.run.name}")
+        path = f"{root.rstrip('/')}/{cfg.run.name}"
+        return cls(fs=fs, path=path, uri=location(fs, path))
 
     def exists(self) -> bool:
         return self.fs.get_file_info(self.path).type == pafs.FileType.Directory

@@ -26,7 +26,7 @@ import yaml
 
 import zerolab
 from zerolab import ds_config, tracking
-from zerolab.checkpoints import RunFolder, RunRecord, prepare_run_folder
+from zerolab.checkpoints import RunFolder, RunRecord, location, prepare_run_folder
 from zerolab.config import ConfigError, SFTConfig
 from zerolab.data import DataError, SplitReport, prepare_split, quiet_ray_data_logging
 from zerolab.errors import UserError
@@ -38,6 +38,11 @@ logger = logging.getLogger("zerolab")
 
 CUDA_ALLOC_CONF = "expandable_segments:True"
 """The workers' ``PYTORCH_CUDA_ALLOC_CONF`` unless the driver's environment sets one."""
+
+STORAGE_ENV_VARS = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", "MLFLOW_S3_ENDPOINT_URL")
+"""Where the object store is: passed from the driver's environment to the workers. Credentials are
+not (Ray shows a job's runtime_env in its dashboard and job records): workers take those from their
+node, as the driver does (instance role, workload identity, or the environment of ``ray start``)."""
 
 
 class EnvironmentProblem(UserError):
@@ -114,6 +119,7 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
                 result = stop.fit(build_trainer(cfg, resolved_ds, splits, uri, run_id, stop.flag, in_tune=in_tune, deadline=deadline))
             checkpoint = result.checkpoint
             assert checkpoint is not None, "the run finished without a final checkpoint"
+            checkpoint_uri = location(checkpoint.filesystem, checkpoint.path)
             metrics = dict(result.metrics or {})
             step = int(metrics.get("step", 0))
             record.step, record.checkpoint = step, checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
@@ -122,7 +128,7 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
                 status, record.status = "KILLED", "stopped"
                 cause = DeadlineReached if metrics["stopped"] == STOPPED_AT_DEADLINE else Interrupted
                 why = f"run.max_wall_time_s={cfg.run.max_wall_time_s:g} reached" if cause is DeadlineReached else "stopped on request"
-                raise cause(f"{why} at step {step}; checkpoint saved at {checkpoint.path}. Resume the run with run.name={cfg.run.name}.",
+                raise cause(f"{why} at step {step}; checkpoint saved at {checkpoint_uri}. Resume the run with run.name={cfg.run.name}.",
                             run_name=cfg.run.name)
             with checkpoint.as_directory() as ckpt:
                 tracking.log_artifact(uri, run_id, Path(ckpt) / "adapter", "adapter")
@@ -139,8 +145,8 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
                 with checkpoint.as_directory() as ckpt:
                     evaluate_after_training(cfg, uri, run_id, Path(ckpt) / "adapter", step=step)
             status, record.status = "FINISHED", "finished"
-            adapter = f"{checkpoint.path.rstrip('/')}/adapter"
-            return RunResult(run_id=run_id, run_name=cfg.run.name, tracking_uri=uri, checkpoint_path=checkpoint.path,
+            adapter = f"{checkpoint_uri.rstrip('/')}/adapter"
+            return RunResult(run_id=run_id, run_name=cfg.run.name, tracking_uri=uri, checkpoint_path=checkpoint_uri,
                              adapter_path=adapter, metrics=metrics, data={k: r.to_dict() for k, r in reports.items()})
         except KeyboardInterrupt:
             status, record.status = "KILLED", "stopped"
@@ -296,8 +302,9 @@ def connect_ray(cfg: SFTConfig, *, log_to_driver: bool = True) -> None:
         # beyond the peak it allocates (fixed blocks left 1.7-2.8× the peak reserved on 2 GPUs
         # and under ZeRO-3, docs/calibration/). A value the user exported wins.
         env_vars["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
-    if "ZEROLAB_CACHE" in os.environ:
-        env_vars["ZEROLAB_CACHE"] = os.environ["ZEROLAB_CACHE"]
+    for name in ("ZEROLAB_CACHE", *STORAGE_ENV_VARS):
+        if name in os.environ:
+            env_vars[name] = os.environ[name]
     from zerolab.ds_config import DS_CONFIG_DIR
 
     # ds_configs/ travels too: a Tune trial resolves its DeepSpeed JSON on whichever node it runs.
@@ -314,6 +321,10 @@ def connect_ray(cfg: SFTConfig, *, log_to_driver: bool = True) -> None:
         # they cannot tell which is theirs and print tracebacks. Name this instance's API server.
         options["dashboard_port"] = _free_port()
         env_vars["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{options['dashboard_port']}"
+    # A variable the submitted job's own runtime_env sets reaches the workers already, and Ray
+    # refuses a ray.init that sets it again.
+    job_env = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("runtime_env", {}).get("env_vars", {})
+    runtime_env["env_vars"] = {k: v for k, v in env_vars.items() if k not in job_env}
     try:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=log_to_driver, logging_level=logging.WARNING, **options)
     except ConnectionError as exc:
@@ -662,6 +673,7 @@ def build_trainer(cfg: SFTConfig, resolved_ds: dict[str, Any], datasets: dict[st
 
     s = cfg.scaling
     resources = {"CPU": s.cpus_per_worker, **({"GPU": 1} if s.use_gpu else {})}
+    path, filesystem = trainer_storage(cfg)
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
@@ -677,7 +689,8 @@ def build_trainer(cfg: SFTConfig, resolved_ds: dict[str, Any], datasets: dict[st
                                      placement_strategy=s.placement_strategy),
         run_config=RunConfig(
             name=cfg.run.name,
-            storage_path=storage_path(cfg),
+            storage_path=path,
+            storage_filesystem=filesystem,
             failure_config=FailureConfig(max_failures=cfg.run.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
             callbacks=[TuneReportCallback()] if in_tune else None,
@@ -690,3 +703,16 @@ def build_trainer(cfg: SFTConfig, resolved_ds: dict[str, Any], datasets: dict[st
 def storage_path(cfg: SFTConfig) -> str:
     path = cfg.run.storage_path
     return path if "://" in path else str(Path(path).expanduser().resolve())
+
+
+def trainer_storage(cfg: SFTConfig) -> tuple[str, Any]:
+    """``storage_path`` and ``storage_filesystem`` for Ray Train's RunConfig. A URI that carries
+    credentials (``s3://key:secret@bucket/...``) is resolved here and handed over as a filesystem,
+    so Ray Train records and shows the bare path (its run state keeps the storage path)."""
+    path = storage_path(cfg)
+    if tracking.mask_text(path) == path:
+        return path, None
+    import pyarrow.fs as pafs
+
+    filesystem, fs_path = pafs.FileSystem.from_uri(path)
+    return fs_path, filesystem
