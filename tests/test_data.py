@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from conftest import rows_of
+from zerolab.batches import IGNORE_INDEX, MicroBatches
 from zerolab.config import ModelSpec, load_config
-from zerolab.data import IGNORE_INDEX, DataError, MicroBatches, RowError, parse_file, prepare_split, row_to_messages, tokenize_messages
+from zerolab.data import DataError, RowError, parse_file, prepare_split, row_to_messages, tokenize_messages
 from zerolab.models import load_model, load_tokenizer
 
 

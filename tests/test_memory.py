@@ -221,7 +221,7 @@ def _measured_peak(cfg, *, steps: int) -> int:
     from the CPU allocator's events recorded by torch's profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    from zerolab.data import MicroBatches
+    from zerolab.batches import MicroBatches
     from zerolab.models import load_model
     from zerolab.train import DTYPES, _build_optimizer
 

@@ -21,21 +21,18 @@ import hashlib
 import json
 import logging
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import torch
 
+from zerolab.batches import IGNORE_INDEX
 from zerolab.config import SFTConfig
-from zerolab.kernels import CU_SEQLENS_KEY, packed_cu_seqlens
 
 logger = logging.getLogger(__name__)
 
-IGNORE_INDEX = -100
 SUPPORTED_SUFFIXES = (".json", ".jsonl", ".parquet")
 _MAX_EXAMPLES = 20
 
@@ -434,103 +431,3 @@ def load_shard(iterator: Any) -> list[tuple[np.ndarray, np.ndarray]]:
     for batch in iterator.iter_batches(batch_format="numpy", batch_size=1024):
         rows.extend(zip(batch["input_ids"], batch["labels"]))
     return [(np.asarray(ids, dtype=np.int64), np.asarray(lab, dtype=np.int64)) for ids, lab in rows]
-
-
-@dataclass
-class Batch:
-    """One micro-batch: model inputs plus the counts that normalise loss and throughput."""
-
-    inputs: dict[str, torch.Tensor]
-    num_tokens: int
-    """Non-padding tokens."""
-    num_targets: int
-    """Tokens that contribute to the loss (labels are shifted by one inside the model)."""
-
-
-class MicroBatches:
-    """An endless, reproducible stream of micro-batches over one shard.
-
-    Epoch ``e`` visits the rows in the order of ``default_rng([seed, e]).permutation``. Without
-    packing a micro-batch holds ``micro_batch_size`` rows padded to the longest of them; with
-    packing, rows are laid end to end into sequences of at most ``max_seq_length`` tokens with
-    per-sample ``position_ids`` (from which the model builds block-diagonal attention, so packed
-    samples do not see each other) and the samples' boundaries in the flattened micro-batch
-    (``packed_cu_seqlens``, for the varlen attention kernel); ``micro_batch_size`` such sequences
-    form a micro-batch.
-    """
-
-    def __init__(self, rows: list[tuple[np.ndarray, np.ndarray]], *, micro_batch_size: int, max_seq_length: int,
-                 packing: bool, pad_id: int, seed: int) -> None:
-        self.rows = rows
-        self.micro_batch_size = micro_batch_size
-        self.max_seq_length = max_seq_length
-        self.packing = packing
-        self.pad_id = pad_id
-        self.seed = seed
-
-    def plan(self, order: list[int]) -> list[list[list[int]]]:
-        """Micro-batches of sequences of row indices, visiting rows in ``order``."""
-        sequences: list[list[int]] = []
-        length = 0
-        for i in order:
-            n = len(self.rows[i][0])
-            if self.packing and sequences and length + n <= self.max_seq_length:
-                sequences[-1].append(i)
-                length += n
-            else:
-                sequences.append([i])
-                length = n
-        k = self.micro_batch_size
-        return [sequences[j : j + k] for j in range(0, len(sequences), k)]
-
-    def epoch_plan(self, epoch: int) -> list[list[list[int]]]:
-        return self.plan(np.random.default_rng([self.seed, epoch]).permutation(len(self.rows)).tolist())
-
-    def batches_per_epoch(self) -> int:
-        return len(self.epoch_plan(0))
-
-    def iterate(self, start: int = 0) -> Iterator[Batch]:
-        """Micro-batches from position ``start`` (micro-batches already consumed) onwards, forever."""
-        assert self.rows, "empty shard"
-        epoch, skip = 0, start
-        while True:
-            plan = self.epoch_plan(epoch)
-            if skip >= len(plan):
-                skip -= len(plan)
-            else:
-                for batch in plan[skip:]:
-                    yield self.collate(batch)
-                skip = 0
-            epoch += 1
-
-    def sequential(self) -> list[Batch]:
-        """One pass in file order, unshuffled (evaluation)."""
-        return [self.collate(b) for b in self.plan(list(range(len(self.rows))))]
-
-    def collate(self, batch: list[list[int]]) -> Batch:
-        seqs = [np.concatenate([self.rows[i][0] for i in seq]) for seq in batch]
-        labs = [np.concatenate([self.rows[i][1] for i in seq]) for seq in batch]
-        lengths = [len(s) for s in seqs]
-        width = max(lengths)
-        input_ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-        labels = torch.full((len(seqs), width), IGNORE_INDEX, dtype=torch.long)
-        for r, (s, lab) in enumerate(zip(seqs, labs)):
-            input_ids[r, : len(s)] = torch.from_numpy(s)
-            labels[r, : len(lab)] = torch.from_numpy(lab)
-        inputs = {"input_ids": input_ids, "labels": labels}
-        if self.packing:
-            positions = torch.zeros((len(seqs), width), dtype=torch.long)
-            for r, seq in enumerate(batch):
-                parts = [np.arange(len(self.rows[i][0])) for i in seq]
-                parts.append(np.arange(width - lengths[r]))  # padding forms its own (ignored) sequence
-                positions[r] = torch.from_numpy(np.concatenate(parts))
-            inputs["position_ids"] = positions
-            inputs[CU_SEQLENS_KEY] = packed_cu_seqlens([[len(self.rows[i][0]) for i in seq] for seq in batch], width)
-        else:
-            inputs["attention_mask"] = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
-        return Batch(inputs=inputs, num_tokens=sum(lengths), num_targets=count_targets(labels))
-
-
-def count_targets(labels: torch.Tensor) -> int:
-    """Tokens that contribute to the loss: labels are shifted by one inside the model's loss."""
-    return int((labels[:, 1:] != IGNORE_INDEX).sum())

@@ -31,8 +31,9 @@ import torch
 import torch.distributed as dist
 
 from zerolab import adapters, kernels, perf
+from zerolab.batches import Batch, MicroBatches
 from zerolab.config import SFTConfig
-from zerolab.data import Batch, MicroBatches, load_shard, quiet_ray_data_logging
+from zerolab.data import load_shard, quiet_ray_data_logging
 from zerolab.models import load_model, load_tokenizer
 
 logger = logging.getLogger("zerolab.train")
