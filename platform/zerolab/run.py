@@ -26,7 +26,7 @@ import zerolab
 from zerolab import ds_config, tracking
 from zerolab.checkpoints import prepare_run_folder
 from zerolab.config import ConfigError, SFTConfig
-from zerolab.data import DataError, SplitReport, prepare_split, quiet_ray_data_logging
+from zerolab.data import DataError, PreparedSplit, SplitReport, prepare_split, quiet_ray_data_logging
 from zerolab.models import cache_dir, linear_module_names, resolve_model_path
 from zerolab.tasks import generate_dataset, get_task
 
@@ -427,12 +427,14 @@ def dataset_paths(cfg: SFTConfig) -> dict[str, str]:
     return paths
 
 
-def prepare_data(cfg: SFTConfig, model_path: str) -> tuple[dict[str, Any], dict[str, SplitReport]]:
+def prepare_data(cfg: SFTConfig, model_path: str) -> tuple[dict[str, PreparedSplit], dict[str, SplitReport]]:
+    """Each split's tokenized rows (from the tokenized-data cache when unchanged), and its report."""
     datasets, reports = {}, {}
     for split, path in dataset_paths(cfg).items():
         started = time.monotonic()
-        datasets[split], reports[split] = prepare_split(split, path, cfg, model_path)
-        logger.info("data %s, prepared in %.1f s", reports[split].summary(), time.monotonic() - started)
+        datasets[split] = prepare_split(split, path, cfg, model_path)
+        reports[split] = datasets[split].report
+        logger.info("data %s, in %.1f s", reports[split].summary(), time.monotonic() - started)
     need = cfg.train.micro_batch_size * cfg.world_size()
     if reports["train"].rows_used < cfg.world_size():
         raise DataError(
@@ -495,18 +497,19 @@ def _log_inputs(uri: str, run_id: str, cfg: SFTConfig, resolved_ds: dict[str, An
         tracking.log_artifact(uri, run_id, folder, "config")
 
 
-def build_trainer(cfg: SFTConfig, resolved_ds: dict[str, Any], datasets: dict[str, Any], uri: str | None, run_id: str | None,
+def build_trainer(cfg: SFTConfig, resolved_ds: dict[str, Any], datasets: dict[str, PreparedSplit], uri: str | None, run_id: str | None,
                   stop_flag: Any = None, *, in_tune: bool = False) -> Any:
     """The TorchTrainer for this job (Ray Train V2): same name and storage path = same run, resumed."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from zerolab.data import sharded_data_config
+    from zerolab.data import worker_datasets
     from zerolab.train import train_loop_per_worker
 
     s = cfg.scaling
     resources = {"CPU": s.cpus_per_worker, **({"GPU": 1} if s.use_gpu else {})}
+    shards, data_config = worker_datasets(datasets, s.num_workers)
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
@@ -526,8 +529,8 @@ def build_trainer(cfg: SFTConfig, resolved_ds: dict[str, Any], datasets: dict[st
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
             callbacks=[TuneReportCallback()] if in_tune else None,
         ),
-        datasets=datasets,
-        dataset_config=sharded_data_config(datasets, s.num_workers),
+        datasets=shards,
+        dataset_config=data_config,
     )
 
 
