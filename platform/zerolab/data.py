@@ -1,17 +1,20 @@
-"""Data: read, validate, render and tokenize with Ray Data on the driver; batch on the workers.
+"""Data: read, validate, render and tokenize once on the driver (cached); batch on the workers.
 
-Driver side (:func:`prepare_split`): Ray Data reads each file (JSON array, JSONL or Parquet, via
-pyarrow), turns every row into chat messages (instruction/input/output, NER text/label with the
-label serialised to JSON, or ``messages``), renders them with the tokenizer's chat template,
-tokenizes prompt and response separately and masks prompt tokens with -100. Malformed rows are
-kept with an ``error`` and their file and line, counted, and reported; the job fails when their
-fraction exceeds ``data.max_bad_fraction``. The good rows are materialized once.
+Driver side (:func:`prepare_split`): each file (JSON array, JSONL or Parquet, via pyarrow) is
+parsed, every row turned into chat messages (instruction/input/output, NER text/label with the
+label serialised to JSON, or ``messages``), rendered with the tokenizer's chat template, its prompt
+and response spans tokenized (one call of the fast tokenizer's batch encoder per chunk of rows) and
+prompt tokens masked with -100. Small local inputs are prepared in the driver process, large or
+remote ones with Ray Data (:data:`DRIVER_MAX_BYTES` says where the line is and why). Malformed rows
+are counted and reported with their file and line; the job fails when their fraction exceeds
+``data.max_bad_fraction``. The result, a :class:`PreparedSplit` (every row's tokens end to end, with
+per-row ``lengths``), is cached by a fingerprint of everything that decides the tokens, bad-row
+report included, so a rerun, relaunch or sweep trial does not prepare it again.
 
-Worker side: :class:`ShardedDataConfig` splits the materialized dataset deterministically, so
-every rank gets the same rows on every attempt; :class:`MicroBatches` shuffles the shard per epoch
-from the seed and yields micro-batches padded to their own longest row (or packed), never to a
-fixed length. The position in that stream is a single integer, so a resumed run continues
-exactly where the checkpoint was taken.
+Worker side: :func:`shard_rows` assigns rows to ranks deterministically and :func:`worker_datasets`
+hands each rank its rows through Ray's object store (workers never open the data files), so every
+rank gets the same rows on every attempt; :class:`zerolab.batches.MicroBatches` shuffles the shard
+per epoch from the seed and yields micro-batches padded to their own longest row (or packed).
 """
 
 from __future__ import annotations

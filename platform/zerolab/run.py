@@ -513,7 +513,7 @@ def build_trainer(cfg: SFTConfig, resolved_ds: dict[str, Any], datasets: dict[st
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
-            "sft": cfg.to_dict(),
+            "sft": cfg,  # validated here; workers do not re-check paths that exist on the driver only
             "deepspeed": resolved_ds,
             "tracking": {"uri": uri, "run_id": run_id} if run_id else None,
             "stop_flag": stop_flag,
