@@ -340,7 +340,7 @@ def run_case(case: Case, out: Path, models: Path | None = None, *, data_aware: b
         cfg = load_config(None, case.overrides(path, out))
         data = None
         if data_aware:
-            from zerolab.data_lengths import job_shard_lengths
+            from zerolab.run import job_shard_lengths
 
             data = job_shard_lengths(cfg)
         row.update({k: round(v, 3) for k, v in predict_overrides(estimate_overrides(case.overrides("unused", out)), case.shape,

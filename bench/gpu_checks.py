@@ -26,8 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     from bench.workload import tokenized_rows
 
     from zerolab import kernels
+    from zerolab.batches import MicroBatches
     from zerolab.config import ModelSpec
-    from zerolab.data import MicroBatches
     from zerolab.models import load_model
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

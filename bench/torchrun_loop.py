@@ -117,8 +117,8 @@ def zerolab_loop(args: argparse.Namespace, rows: list, device: torch.device, wor
     from transformers import AutoConfig
 
     from zerolab import ds_config
+    from zerolab.batches import MicroBatches
     from zerolab.config import load_config
-    from zerolab.data import MicroBatches
     from zerolab.models import load_tokenizer
     from zerolab.train import _build_model, _seed_everything, initialize_engine, optimizer_step
 

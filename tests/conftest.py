@@ -44,7 +44,7 @@ def rows_of(lengths, seed=0):
     """Tokenized rows (ids, labels) of the given lengths, the first half of each masked as prompt."""
     import numpy as np
 
-    from zerolab.data import IGNORE_INDEX
+    from zerolab.batches import IGNORE_INDEX
 
     rng = np.random.default_rng(seed)
     out = []

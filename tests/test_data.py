@@ -3,15 +3,29 @@
 from __future__ import annotations
 
 import json
+import shutil
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import rows_of
+from conftest import rows_of, tiny_overrides
+from zerolab import data
+from zerolab.batches import IGNORE_INDEX, MicroBatches
 from zerolab.config import ModelSpec, load_config
-from zerolab.data import IGNORE_INDEX, DataError, MicroBatches, RowError, parse_file, prepare_split, row_to_messages, tokenize_messages
+from zerolab.data import (
+    DataError,
+    PreparedSplit,
+    RowError,
+    parse_file,
+    prepare_split,
+    row_to_messages,
+    shard_rows,
+    tokenize_messages,
+    tokenize_rows,
+)
 from zerolab.models import load_model, load_tokenizer
 
 
@@ -142,18 +156,180 @@ def test_packed_and_padded_batches_give_the_same_loss(tiny_model_path):
     assert not torch.allclose(a, c, rtol=1e-3)
 
 
-@pytest.mark.ray
-def test_bad_rows_are_reported_with_file_and_line(ray_cluster, tmp_path, tiny_model_path):
+# --- preparation, the tokenized-data cache, shards ------------------------------------------------
+
+
+@pytest.fixture
+def tokenized_cache(tmp_path, monkeypatch):
+    """A tokenized-data cache of this test's own (the tiny model stays where it was built)."""
+    folder = tmp_path / "cache"
+    monkeypatch.setattr(data, "cache_dir", lambda: folder)
+    return folder / "tokenized"
+
+
+def ner_file(path, rows: int = 6):
+    lines = [json.dumps({"text": f"张伟在北京{i}", "label": {"name": ["张伟"]}}, ensure_ascii=False) for i in range(rows)]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def ner_config(path, *extra: str):
+    return load_config(None, ["data.task=ner_json", f"data.train_path={path}", *extra])
+
+
+def test_bad_rows_are_reported_with_file_and_line_also_from_the_cache(tokenized_cache, tmp_path, tiny_model_path):
     path = tmp_path / "train.jsonl"
     good = json.dumps({"text": "张伟在北京", "label": {"name": ["张伟"]}}, ensure_ascii=False)
     path.write_text("\n".join([good, "{oops", json.dumps({"text": "x"}), json.dumps({"text": "长" * 400, "label": {}}), good]) + "\n")
-    cfg = load_config(None, ["data.task=ner_json", f"data.train_path={path}"])
-    with pytest.raises(DataError) as err:
-        prepare_split("train", str(path), cfg, tiny_model_path)
-    text = str(err.value)
-    assert "3 of 5 rows (60.0%) are malformed" in text
+    messages = []
+    for _ in range(2):  # prepared, then read from the cache: the same report, the same failure
+        with pytest.raises(DataError) as err:
+            prepare_split("train", str(path), ner_config(path), tiny_model_path)
+        messages.append(str(err.value))
+    assert messages[0] == messages[1]
+    assert "3 of 5 rows (60.0%) are malformed" in messages[0]
     for where in ("train.jsonl:2: invalid JSON", "train.jsonl:3: missing field: 'label'", "train.jsonl:4: too long"):
-        assert where in text
-    lenient = load_config(None, ["data.task=ner_json", f"data.train_path={path}", "data.max_bad_fraction=0.6"])
-    ds, report = prepare_split("train", str(path), lenient, tiny_model_path)
-    assert ds.count() == 2 and report.rows_bad == 3 and report.bad_by_reason == {"invalid JSON": 1, "missing field": 1, "too long": 1}
+        assert where in messages[0]
+    # data.max_bad_fraction decides whether the split is usable, not its tokens: still cached.
+    split = prepare_split("train", str(path), ner_config(path, "data.max_bad_fraction=0.6"), tiny_model_path)
+    assert split.from_cache and split.num_rows == 2 and split.report.rows_bad == 3
+    assert split.report.bad_by_reason == {"invalid JSON": 1, "missing field": 1, "too long": 1}
+    assert len(list(tokenized_cache.iterdir())) == 1
+
+
+def test_a_second_preparation_comes_from_the_cache_with_the_same_key(tokenized_cache, tmp_path, tiny_model_path):
+    path = ner_file(tmp_path / "train.jsonl")
+    first = prepare_split("train", str(path), ner_config(path), tiny_model_path)
+    second = prepare_split("train", str(path), ner_config(path, "data.packing=true"), tiny_model_path)  # packing: same tokens
+    assert not first.from_cache and first.report.prepared_with == "driver"
+    assert second.from_cache and second.report.cache_key == first.report.cache_key
+    assert np.array_equal(second.input_ids, first.input_ids) and np.array_equal(second.labels, first.labels)
+    assert second.lengths.tolist() == [len(ids) for ids, _ in first.rows()] and second.report.tokens == first.report.tokens
+
+
+def test_one_changed_byte_of_data_tokenizer_or_max_length_prepares_again(tokenized_cache, tmp_path, tiny_model_path):
+    path = ner_file(tmp_path / "train.jsonl")
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model)
+    key = prepare_split("train", str(path), ner_config(path), str(model)).report.cache_key
+
+    def again(config, model_path=str(model)):
+        split = prepare_split("train", str(path), config, model_path)
+        return split.from_cache, split.report.cache_key
+
+    assert again(ner_config(path)) == (True, key)
+    path.write_bytes(path.read_bytes().replace("北京0".encode(), "北京9".encode()))  # one byte of one row
+    changed = again(ner_config(path))
+    assert changed[0] is False and changed[1] != key
+    with (model / "tokenizer.json").open("a") as f:  # one byte of a tokenizer file
+        f.write(" ")
+    assert again(ner_config(path))[0] is False
+    assert again(ner_config(path, "data.max_seq_length=256"))[0] is False
+    assert again(ner_config(path, "data.system_prompt=Answer."))[0] is False
+    assert again(ner_config(path, "data.max_seq_length=256"))[0] is True
+
+
+def test_an_empty_file_is_named_with_the_fix(tokenized_cache, tmp_path, tiny_model_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n")
+    with pytest.raises(DataError, match=r"^data.train_path: empty.jsonl has no rows; add rows"):
+        prepare_split("train", str(path), ner_config(path), tiny_model_path)
+
+
+def test_invalid_utf8_is_one_bad_row_on_its_line(tokenized_cache, tmp_path, tiny_model_path):
+    path = ner_file(tmp_path / "train.jsonl", rows=5)
+    lines = path.read_bytes().split(b"\n")
+    lines[2] = lines[2].replace("北".encode(), b"\xff\xfe")
+    path.write_bytes(b"\n".join(lines))
+    split = prepare_split("train", str(path), ner_config(path, "data.max_bad_fraction=0.3"), tiny_model_path)
+    assert split.num_rows == 4 and split.report.bad_by_reason == {"invalid UTF-8": 1}
+    assert split.report.bad_examples[0].startswith("train.jsonl:3: invalid UTF-8: byte 0xff at column")
+
+
+def test_unsupported_files_in_a_folder_are_listed(tokenized_cache, tmp_path, tiny_model_path, caplog):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    ner_file(folder / "a.jsonl")
+    (folder / "notes.txt").write_text("not data")
+    (folder / "b.csv").write_text("text,label\n")
+    with caplog.at_level("WARNING", logger="zerolab.data"):
+        split = prepare_split("train", str(folder), ner_config(folder), tiny_model_path)
+    assert split.report.skipped_files == ["b.csv", "notes.txt"] and split.report.files == ["a.jsonl"]
+    assert "skipped 2 files of unsupported types" in caplog.text and "notes.txt" in caplog.text
+    with pytest.raises(DataError, match="unsupported file type '.txt'"):
+        prepare_split("train", str(folder / "notes.txt"), ner_config(folder / "notes.txt"), tiny_model_path)
+
+
+def test_batched_tokenization_matches_row_by_row(tokenizer):
+    records = [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "one"},
+                             {"role": "user", "content": "b"}, {"role": "assistant", "content": "two"}]},
+               {"instruction": "12=", "output": "5 + 7"}, {"instruction": "1="}, {"text": "张伟", "label": {"name": ["张伟"]}}]
+    ids, labels, errors = tokenize_rows(tokenizer, [json.dumps(r, ensure_ascii=False) for r in records], [None] * 4,
+                                        system_prompt="SYS", max_seq_length=512)
+    assert errors == [None, None, "missing field: 'output'", None]
+    for i in (0, 1, 3):
+        assert (ids[i], labels[i]) == tokenize_messages(tokenizer, row_to_messages(records[i], "SYS"))
+    assert ids[2] == [] and labels[2] == []
+    _, _, short = tokenize_rows(tokenizer, [json.dumps(records[1])], [None], system_prompt="SYS", max_seq_length=5)
+    assert short[0].startswith("too long:")
+
+
+@pytest.mark.parametrize("num_rows, world", [(10, 3), (9, 3), (2, 4), (7, 1)])
+def test_shard_rows_is_a_deterministic_partition(num_rows, world):
+    equal = shard_rows(num_rows, world, equal=True)
+    kept = shard_rows(num_rows, world, equal=False)
+    assert len(equal) == len(kept) == world
+    assert len({len(s) for s in equal}) == 1 and sum(len(s) for s in equal) == num_rows - num_rows % world
+    assert sorted(np.concatenate(kept).tolist()) == list(range(num_rows))  # every row once
+    assert max(len(s) for s in kept) - min(len(s) for s in kept) <= 1
+    assert [s.tolist() for s in shard_rows(num_rows, world, equal=True)] == [s.tolist() for s in equal]
+
+
+def test_prepared_rows_round_trip_through_arrow():
+    rows = rows_of([3, 5, 2])
+    ids = np.concatenate([r[0] for r in rows]).astype(np.int32)
+    labels = np.concatenate([r[1] for r in rows]).astype(np.int32)
+    split = PreparedSplit(ids, labels, np.array([0, 3, 8, 10]), data.SplitReport("train", [], ""))
+    assert split.lengths.tolist() == [3, 5, 2]
+    table = split.to_arrow(np.array([2, 0]))
+    assert table.column("input_ids").to_pylist() == [rows[2][0].tolist(), rows[0][0].tolist()]
+    assert [lab.tolist() for _, lab in split.rows([1])] == [rows[1][1].tolist()]
+
+
+@pytest.mark.ray
+def test_ray_data_preparation_gives_the_driver_preparation(ray_cluster, tokenized_cache, tmp_path, tiny_model_path, monkeypatch):
+    path = ner_file(tmp_path / "train.jsonl", rows=40)
+    with path.open("a", encoding="utf-8") as f:
+        f.write("{oops\n")
+    config = ner_config(path, "data.max_bad_fraction=0.1")
+    here = prepare_split("train", str(path), config, tiny_model_path)
+    shutil.rmtree(tokenized_cache)
+    monkeypatch.setattr(data, "DRIVER_MAX_BYTES", 0)
+    spread = prepare_split("train", str(path), config, tiny_model_path)
+    assert spread.report.prepared_with == "ray data" and not spread.from_cache
+    assert np.array_equal(spread.input_ids, here.input_ids) and np.array_equal(spread.offsets, here.offsets)
+    assert spread.report.bad_examples == here.report.bad_examples == ["train.jsonl:41: invalid JSON: Expecting property name enclosed in double quotes at column 2"]
+
+
+@pytest.mark.ray
+def test_a_job_trains_when_its_data_files_exist_on_the_driver_only(ray_cluster, tokenized_cache, tmp_path, tiny_model_path, monkeypatch):
+    """The workers get their rows through Ray: the data files (and the cache) are gone before they start."""
+    from zerolab import run
+    from zerolab.tasks import generate_dataset
+
+    folder = tmp_path / "driver-only"
+    train = generate_dataset("math_sum", 96, 3, folder / "train.json")
+    evals = generate_dataset("math_sum", 16, 4, folder / "eval.json")
+    prepare = run.prepare_data
+
+    def prepare_then_delete(cfg, model_path):
+        prepared = prepare(cfg, model_path)
+        shutil.rmtree(folder)
+        shutil.rmtree(tokenized_cache)
+        return prepared
+
+    monkeypatch.setattr(run, "prepare_data", prepare_then_delete)
+    cfg = load_config(None, tiny_overrides(tmp_path, **{"data.train_path": train, "data.eval_path": evals, "train.max_steps": 4}))
+    result = run.run_sft(cfg)
+    assert not folder.exists() and result.metrics["step"] == 4 and "eval/loss" in result.metrics
+    assert result.data["train"]["rows_used"] == 96 and result.data["train"]["from_cache"] is False

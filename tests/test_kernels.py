@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import rows_of
-from zerolab import kernels
+from zerolab import batches, kernels
+from zerolab.batches import MicroBatches
 from zerolab.config import ModelSpec
-from zerolab.data import MicroBatches
 from zerolab.models import load_model
 
 
@@ -39,12 +39,12 @@ def reference_varlen(q, k, v, cu, max_len, scale):
 def test_cu_seqlens_mark_every_sample_and_each_rows_padding():
     mb = MicroBatches(rows_of([10, 20, 30, 15, 40]), micro_batch_size=8, max_seq_length=50, packing=True, pad_id=0, seed=0)
     (batch,) = mb.sequential()
-    cu = batch.inputs[kernels.CU_SEQLENS_KEY].tolist()
+    cu = batch.inputs[batches.CU_SEQLENS_KEY].tolist()
     assert cu[0] == 0 and cu[-1] == batch.inputs["input_ids"].numel()
     # Each sample starts where position_ids restart at 0 in the flattened batch.
     starts = (batch.inputs["position_ids"].flatten() == 0).nonzero().flatten().tolist()
     assert cu[:-1] == starts and all(b > a for a, b in zip(cu, cu[1:]))
-    assert kernels.packed_cu_seqlens([[3, 4], [7]], width=8).tolist() == [0, 3, 7, 8, 15, 16]
+    assert batches.packed_cu_seqlens([[3, 4], [7]], width=8).tolist() == [0, 3, 7, 8, 15, 16]
 
 
 def test_varlen_attention_gives_the_padded_loss(tiny_model_path, monkeypatch):

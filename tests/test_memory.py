@@ -221,7 +221,7 @@ def _measured_peak(cfg, *, steps: int) -> int:
     from the CPU allocator's events recorded by torch's profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    from zerolab.data import MicroBatches
+    from zerolab.batches import MicroBatches
     from zerolab.models import load_model
     from zerolab.train import DTYPES, _build_optimizer
 
@@ -404,13 +404,6 @@ def test_cli_estimates_on_the_jobs_data(tiny_model_path):
     assert "  worst case by config (micro-batch 16 × 4096 tokens): ZeRO-2:" in proc.stdout
 
 
-def test_local_shards_split_as_ray_does():
-    from zerolab.data_lengths import split_lengths
-
-    assert split_lengths(list(range(11)), 3, equal=True) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]  # the rest is dropped
-    assert split_lengths(list(range(5)), 2, equal=False) == [[0, 1, 2], [3, 4]]
-
-
 def test_cli_config_error_exits_2_without_traceback():
     proc = run_estimate("--set", "adapter.r=0", "--gpu-mem", "lots")
     assert proc.returncode == 2
@@ -471,7 +464,7 @@ def test_memory_trace_replays_the_allocator_to_its_peak():
 
 
 def test_padded_worst_micro_batch_is_the_longest_row_times_a_full_batch():
-    from zerolab.data import MicroBatches
+    from zerolab.batches import MicroBatches
 
     lengths = [30, 70, 45, 52, 61, 20, 33]
     worst = memory.worst_micro_batch([lengths], micro_batch_size=4, max_seq_length=128, packing=False)
@@ -496,7 +489,7 @@ def test_uneven_shards_take_the_largest_over_ranks():
 
 
 def test_packed_worst_micro_batch_is_the_largest_packed_batch_of_the_run():
-    from zerolab.data import MicroBatches
+    from zerolab.batches import MicroBatches
 
     # Rows of 45 and 70 tokens pack into sequences of 45, 70, 90 or 115 tokens, never 128.
     lengths = np.random.default_rng(1).choice([45, 70], size=60).tolist()

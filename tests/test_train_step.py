@@ -20,7 +20,7 @@ ACCUM = 2
 def micro_batches(rank: int) -> list:
     """This rank's ACCUM micro-batches of 2 rows, collated by zerolab (padded per batch); rows of
     different lengths and prompt lengths, where a mean of per-batch means would be wrong."""
-    from zerolab.data import MicroBatches
+    from zerolab.batches import MicroBatches
 
     rows = rows_of([6, 7, 9, 14][: 2 * ACCUM], seed=100 + rank)
     return MicroBatches(rows, micro_batch_size=2, max_seq_length=64, packing=False, pad_id=0, seed=0).sequential()

@@ -35,15 +35,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from zerolab.batches import CU_SEQLENS_KEY, packed_cu_seqlens
+
 logger = logging.getLogger(__name__)
 
 VARLEN_ATTENTION = "zerolab_varlen"
 """The name under which the varlen attention function is registered with transformers."""
-
-CU_SEQLENS_KEY = "packed_cu_seqlens"
-"""Model input (int32, B·S + 1 at most) with the start of every packed sample in the flattened
-micro-batch and its end: the batcher adds it to packed micro-batches; attention other than
-``varlen`` ignores it."""
 
 
 # --- varlen attention -----------------------------------------------------------------------------
@@ -149,19 +146,6 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     v = value.transpose(1, 2).reshape(b * s, value.shape[1], d)
     out = _varlen_call(q, k, v, cu, s, scaling if scaling is not None else d**-0.5)
     return out.view(b, s, heads, d), None
-
-
-def packed_cu_seqlens(row_lengths: list[list[int]], width: int) -> torch.Tensor:
-    """Boundaries of every sample of a packed micro-batch in its flattened B×``width`` tokens: each
-    row's samples, then its padding as one more (ignored) sequence."""
-    bounds = [0]
-    for row in row_lengths:
-        start = bounds[-1]
-        for n in row:
-            bounds.append(bounds[-1] + n)
-        if bounds[-1] < start + width:
-            bounds.append(start + width)
-    return torch.tensor(bounds, dtype=torch.int32)
 
 
 # --- Liger Kernel ---------------------------------------------------------------------------------

@@ -327,7 +327,7 @@ def worst_micro_batch(lengths_by_rank: Sequence[Sequence[int]], *, micro_batch_s
                       shuffled: bool = True) -> MicroBatch | None:
     """The largest micro-batch any rank will run, from the token length of every row of each
     rank's shard (None when every shard is empty). Micro-batches are planned by
-    :func:`zerolab.data.plan_micro_batches`, exactly as the workers plan them, and padded to their
+    :func:`zerolab.batches.plan_micro_batches`, exactly as the workers plan them, and padded to their
     longest sequence (``MicroBatches.collate``).
 
     ``tokens`` is the most tokens (rows × padded width) of any micro-batch and ``seq_len`` the
@@ -338,11 +338,11 @@ def worst_micro_batch(lengths_by_rank: Sequence[Sequence[int]], *, micro_batch_s
       longest row of a shard meets a full micro-batch sooner or later: min(micro_batch_size, rows)
       × the longest row, whatever the order.
     - ``shuffled`` with packing: which rows share a sequence depends on the order, so each rank's
-      epochs are planned from ``seed`` (``zerolab.data.epoch_order``) until ``num_micro_batches``
+      epochs are planned from ``seed`` (``zerolab.batches.epoch_order``) until ``num_micro_batches``
       micro-batches (one epoch when None), the stream the run takes.
     - not ``shuffled`` (evaluation: one pass in file order): the micro-batches of that pass.
     """
-    from zerolab.data import epoch_order, plan_micro_batches
+    from zerolab.batches import epoch_order, plan_micro_batches
 
     best: MicroBatch | None = None
     widest = 0
@@ -401,7 +401,7 @@ class BatchShape:
 
 class ShardLengths:
     """The token length of every row of each rank's shards, as the workers get them: ``train[r]``
-    (``Dataset.split(N, equal=True)``) and ``eval[r]`` (empty without an eval split). Valid for the
+    (``zerolab.data.shard_rows``, equal shards) and ``eval[r]`` (empty without an eval split). Valid for the
     world size it was split for; :meth:`batch_shape` is cached per batching setting."""
 
     def __init__(self, train: Sequence[Sequence[int]], eval: Sequence[Sequence[int]] = ()) -> None:
@@ -443,7 +443,7 @@ class ShardLengths:
 
 def _epoch0_plan(lengths: Sequence[int], micro_batch_size: int, max_seq_length: int, seed: int) -> list[Any]:
     """Epoch 0's packed micro-batches of one shard (how ``MicroBatches.batches_per_epoch`` counts them)."""
-    from zerolab.data import epoch_order, plan_micro_batches
+    from zerolab.batches import epoch_order, plan_micro_batches
 
     return plan_micro_batches(lengths, epoch_order(len(lengths), seed, 0), micro_batch_size=micro_batch_size,
                               max_seq_length=max_seq_length, packing=True)

@@ -28,7 +28,7 @@ import zerolab
 from zerolab import ds_config, tracking
 from zerolab.checkpoints import RunFolder, RunRecord, location, prepare_run_folder
 from zerolab.config import ConfigError, SFTConfig
-from zerolab.data import DataError, SplitReport, prepare_split, quiet_ray_data_logging
+from zerolab.data import DataError, PreparedSplit, SplitReport, prepare_split, quiet_ray_data_logging
 from zerolab.errors import UserError
 from zerolab.models import cache_dir, linear_module_names, resolve_model_path
 from zerolab.tasks import generate_dataset, get_task
@@ -506,21 +506,23 @@ def check_memory(cfg: SFTConfig, *, force: bool = False, datasets: dict[str, Any
     return MemoryCheck(est, limits, by_config=by_config)
 
 
-def shard_lengths(datasets: dict[str, Any], world_size: int) -> Any:
-    """The token length of every row of each rank's shards (a ``zerolab.memory.ShardLengths``),
-    split as :func:`zerolab.data.sharded_data_config` splits the materialized datasets."""
-    import pyarrow.compute as pc
-
+def shard_lengths(datasets: dict[str, PreparedSplit], world_size: int) -> Any:
+    """The token length of every row of each rank's shards (a ``zerolab.memory.ShardLengths``), as
+    :func:`zerolab.data.shard_rows` deals them to the workers."""
+    from zerolab.data import shard_rows
     from zerolab.memory import ShardLengths
 
-    def lengths(shard: Any) -> list[int]:
-        out: list[int] = []
-        for batch in shard.iter_batches(batch_format="pyarrow", batch_size=4096):
-            out += pc.list_value_length(batch["input_ids"]).to_pylist()
-        return out
+    def by_rank(split: PreparedSplit, equal: bool) -> list[list[int]]:
+        return [split.lengths[rows].tolist() for rows in shard_rows(split.num_rows, world_size, equal=equal)]
 
-    shards = {name: ds.split(world_size, equal=(name == "train")) for name, ds in datasets.items()}
-    return ShardLengths([lengths(s) for s in shards["train"]], [lengths(s) for s in shards.get("eval", [])])
+    return ShardLengths(by_rank(datasets["train"], True), by_rank(datasets["eval"], False) if "eval" in datasets else [])
+
+
+def job_shard_lengths(cfg: SFTConfig) -> Any:
+    """The job's shards (``shard_lengths``) from its data as a run would prepare it (its files, or
+    the task's generated ones; the tokenized-data cache when unchanged), without starting workers."""
+    splits, _ = prepare_data(cfg, resolve_model_path(cfg.model.name_or_path))
+    return shard_lengths(splits, cfg.world_size())
 
 
 def cluster_limits(cfg: SFTConfig) -> Any:
@@ -593,12 +595,14 @@ def dataset_paths(cfg: SFTConfig) -> dict[str, str]:
     return paths
 
 
-def prepare_data(cfg: SFTConfig, model_path: str) -> tuple[dict[str, Any], dict[str, SplitReport]]:
+def prepare_data(cfg: SFTConfig, model_path: str) -> tuple[dict[str, PreparedSplit], dict[str, SplitReport]]:
+    """Each split's tokenized rows (from the tokenized-data cache when unchanged), and its report."""
     datasets, reports = {}, {}
     for split, path in dataset_paths(cfg).items():
         started = time.monotonic()
-        datasets[split], reports[split] = prepare_split(split, path, cfg, model_path)
-        logger.info("data %s, prepared in %.1f s", reports[split].summary(), time.monotonic() - started)
+        datasets[split] = prepare_split(split, path, cfg, model_path)
+        reports[split] = datasets[split].report
+        logger.info("data %s, in %.1f s", reports[split].summary(), time.monotonic() - started)
     need = cfg.train.micro_batch_size * cfg.world_size()
     if reports["train"].rows_used < cfg.world_size():
         raise DataError(
@@ -661,23 +665,24 @@ def _log_inputs(uri: str, run_id: str, cfg: SFTConfig, resolved_ds: dict[str, An
         tracking.log_artifact(uri, run_id, folder, "config")
 
 
-def build_trainer(cfg: SFTConfig, resolved_ds: dict[str, Any], datasets: dict[str, Any], uri: str | None, run_id: str | None,
+def build_trainer(cfg: SFTConfig, resolved_ds: dict[str, Any], datasets: dict[str, PreparedSplit], uri: str | None, run_id: str | None,
                   stop_flag: Any = None, *, in_tune: bool = False, deadline: float | None = None) -> Any:
     """The TorchTrainer for this job (Ray Train V2): same name and storage path = same run, resumed."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from zerolab.data import sharded_data_config
+    from zerolab.data import worker_datasets
     from zerolab.train import train_loop_per_worker
 
     s = cfg.scaling
     resources = {"CPU": s.cpus_per_worker, **({"GPU": 1} if s.use_gpu else {})}
     path, filesystem = trainer_storage(cfg)
+    shards, data_config = worker_datasets(datasets, s.num_workers)
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
-            "sft": cfg.to_dict(),
+            "sft": cfg,  # validated here; workers do not re-check paths that exist on the driver only
             "deepspeed": resolved_ds,
             "tracking": {"uri": uri, "run_id": run_id} if run_id else None,
             "stop_flag": stop_flag,
@@ -695,8 +700,8 @@ def build_trainer(cfg: SFTConfig, resolved_ds: dict[str, Any], datasets: dict[st
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
             callbacks=[TuneReportCallback()] if in_tune else None,
         ),
-        datasets=datasets,
-        dataset_config=sharded_data_config(datasets, s.num_workers),
+        datasets=shards,
+        dataset_config=data_config,
     )
 
 

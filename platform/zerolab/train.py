@@ -31,8 +31,9 @@ import torch
 import torch.distributed as dist
 
 from zerolab import adapters, kernels, perf
+from zerolab.batches import Batch, MicroBatches
 from zerolab.config import SFTConfig
-from zerolab.data import Batch, MicroBatches, load_shard, quiet_ray_data_logging
+from zerolab.data import load_shard, quiet_ray_data_logging
 from zerolab.models import load_model, load_tokenizer
 
 logger = logging.getLogger("zerolab.train")
@@ -50,7 +51,7 @@ def train_loop_per_worker(config: dict) -> None:
     import ray.train
 
     started = time.perf_counter()
-    cfg = SFTConfig.from_dict(config["sft"])
+    cfg: SFTConfig = config["sft"]  # the driver's validated config; its data files need not exist here
     ds_config: dict = config["deepspeed"]
     _setup_worker_logging()
     ctx = ray.train.get_context()
@@ -188,7 +189,7 @@ def _open_tracker(tracking: dict, start_step: int, params: dict[str, Any]) -> An
 
 def _system_metrics(config: dict, ctx: Any) -> contextlib.AbstractContextManager:
     """MLflow system metrics for this node, sampled by its local rank 0, labelled by host and Ray node."""
-    tracking_info, interval = config.get("tracking"), config["sft"]["tracking"]["system_metrics_interval_s"]
+    tracking_info, interval = config.get("tracking"), config["sft"].tracking.system_metrics_interval_s
     if not tracking_info or ctx.get_local_rank() != 0 or not interval:
         return contextlib.nullcontext()
     import ray

@@ -1,0 +1,150 @@
+"""The batch format that the batcher produces and the model consumes: :class:`Batch`, the
+micro-batch stream :class:`MicroBatches` over one shard's tokenized rows, and the packed-sample
+boundaries under :data:`CU_SEQLENS_KEY` that the varlen attention kernel reads. Data preparation
+(:mod:`zerolab.data`) and the kernels (:mod:`zerolab.kernels`) both import it; it imports neither.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100
+"""Label of a token that does not contribute to the loss (prompt and padding)."""
+
+CU_SEQLENS_KEY = "packed_cu_seqlens"
+"""Model input (int32, B·S + 1 at most) with the start of every packed sample in the flattened
+micro-batch and its end: the batcher adds it to packed micro-batches; attention other than
+``varlen`` ignores it."""
+
+
+def packed_cu_seqlens(row_lengths: list[list[int]], width: int) -> torch.Tensor:
+    """Boundaries of every sample of a packed micro-batch in its flattened B×``width`` tokens: each
+    row's samples, then its padding as one more (ignored) sequence."""
+    bounds = [0]
+    for row in row_lengths:
+        start = bounds[-1]
+        for n in row:
+            bounds.append(bounds[-1] + n)
+        if bounds[-1] < start + width:
+            bounds.append(start + width)
+    return torch.tensor(bounds, dtype=torch.int32)
+
+
+@dataclass
+class Batch:
+    """One micro-batch: model inputs plus the counts that normalise loss and throughput."""
+
+    inputs: dict[str, torch.Tensor]
+    num_tokens: int
+    """Non-padding tokens."""
+    num_targets: int
+    """Tokens that contribute to the loss (labels are shifted by one inside the model)."""
+
+
+def epoch_order(num_rows: int, seed: int, epoch: int) -> list[int]:
+    """The order in which epoch ``epoch`` of a shard of ``num_rows`` rows visits them."""
+    return np.random.default_rng([seed, epoch]).permutation(num_rows).tolist()
+
+
+def plan_micro_batches(lengths: Sequence[int], order: Sequence[int], *, micro_batch_size: int, max_seq_length: int,
+                       packing: bool) -> list[list[list[int]]]:
+    """Micro-batches of sequences of row indices, visiting rows (of ``lengths[i]`` tokens) in
+    ``order``. Without packing every row is its own sequence; with packing consecutive rows share
+    one while it stays within ``max_seq_length`` tokens. A micro-batch is ``micro_batch_size``
+    consecutive sequences (the last one of a pass may hold fewer); :meth:`MicroBatches.collate`
+    pads it to its longest sequence."""
+    sequences: list[list[int]] = []
+    length = 0
+    for i in order:
+        n = lengths[i]
+        if packing and sequences and length + n <= max_seq_length:
+            sequences[-1].append(i)
+            length += n
+        else:
+            sequences.append([i])
+            length = n
+    k = micro_batch_size
+    return [sequences[j : j + k] for j in range(0, len(sequences), k)]
+
+
+class MicroBatches:
+    """An endless, reproducible stream of micro-batches over one shard.
+
+    Epoch ``e`` visits the rows in the order of ``default_rng([seed, e]).permutation``. Without
+    packing a micro-batch holds ``micro_batch_size`` rows padded to the longest of them; with
+    packing, rows are laid end to end into sequences of at most ``max_seq_length`` tokens with
+    per-sample ``position_ids`` (from which the model builds block-diagonal attention, so packed
+    samples do not see each other) and the samples' boundaries in the flattened micro-batch
+    (``packed_cu_seqlens``, for the varlen attention kernel); ``micro_batch_size`` such sequences
+    form a micro-batch.
+    """
+
+    def __init__(self, rows: list[tuple[np.ndarray, np.ndarray]], *, micro_batch_size: int, max_seq_length: int,
+                 packing: bool, pad_id: int, seed: int) -> None:
+        self.rows = rows
+        self.micro_batch_size = micro_batch_size
+        self.max_seq_length = max_seq_length
+        self.packing = packing
+        self.pad_id = pad_id
+        self.seed = seed
+
+    def plan(self, order: list[int]) -> list[list[list[int]]]:
+        """Micro-batches of sequences of row indices, visiting rows in ``order``."""
+        return plan_micro_batches([len(ids) for ids, _ in self.rows], order, micro_batch_size=self.micro_batch_size,
+                                  max_seq_length=self.max_seq_length, packing=self.packing)
+
+    def epoch_plan(self, epoch: int) -> list[list[list[int]]]:
+        return self.plan(epoch_order(len(self.rows), self.seed, epoch))
+
+    def batches_per_epoch(self) -> int:
+        return len(self.epoch_plan(0))
+
+    def iterate(self, start: int = 0) -> Iterator[Batch]:
+        """Micro-batches from position ``start`` (micro-batches already consumed) onwards, forever."""
+        assert self.rows, "empty shard"
+        epoch, skip = 0, start
+        while True:
+            plan = self.epoch_plan(epoch)
+            if skip >= len(plan):
+                skip -= len(plan)
+            else:
+                for batch in plan[skip:]:
+                    yield self.collate(batch)
+                skip = 0
+            epoch += 1
+
+    def sequential(self) -> list[Batch]:
+        """One pass in file order, unshuffled (evaluation)."""
+        return [self.collate(b) for b in self.plan(list(range(len(self.rows))))]
+
+    def collate(self, batch: list[list[int]]) -> Batch:
+        seqs = [np.concatenate([self.rows[i][0] for i in seq]) for seq in batch]
+        labs = [np.concatenate([self.rows[i][1] for i in seq]) for seq in batch]
+        lengths = [len(s) for s in seqs]
+        width = max(lengths)
+        input_ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(seqs), width), IGNORE_INDEX, dtype=torch.long)
+        for r, (s, lab) in enumerate(zip(seqs, labs)):
+            input_ids[r, : len(s)] = torch.from_numpy(s)
+            labels[r, : len(lab)] = torch.from_numpy(lab)
+        inputs = {"input_ids": input_ids, "labels": labels}
+        if self.packing:
+            positions = torch.zeros((len(seqs), width), dtype=torch.long)
+            for r, seq in enumerate(batch):
+                parts = [np.arange(len(self.rows[i][0])) for i in seq]
+                parts.append(np.arange(width - lengths[r]))  # padding forms its own (ignored) sequence
+                positions[r] = torch.from_numpy(np.concatenate(parts))
+            inputs["position_ids"] = positions
+            inputs[CU_SEQLENS_KEY] = packed_cu_seqlens([[len(self.rows[i][0]) for i in seq] for seq in batch], width)
+        else:
+            inputs["attention_mask"] = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
+        return Batch(inputs=inputs, num_tokens=sum(lengths), num_targets=count_targets(labels))
+
+
+def count_targets(labels: torch.Tensor) -> int:
+    """Tokens that contribute to the loss: labels are shifted by one inside the model's loss."""
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
