@@ -29,9 +29,8 @@ STEPS, CHECKPOINT_EVERY = 16, 4
 @pytest.fixture
 def cluster(monkeypatch):
     """A head and two worker nodes with 1 CPU each: a node fits one training worker, so two workers
-    are on two nodes. The head's CPU runs the driver's Ray Data tasks, then can take a training
-    worker, so the two nodes left after a worker node is lost still fit the job. Only this cluster
-    is shut down afterwards."""
+    are on two nodes. The head's CPU can take a training worker, so the two nodes left after a
+    worker node is lost still fit the job. Only this cluster is shut down afterwards."""
     import ray
     from ray._private.authentication.authentication_token_setup import _enable_token_auth, ensure_token_if_auth_enabled
     from ray._private.services import get_node_ip_address

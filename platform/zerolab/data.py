@@ -435,7 +435,8 @@ class SplitReport:
         if self.rows_bad:
             reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.bad_by_reason.items()))
             line += f"; {self.rows_bad} bad rows ({reasons})"
-        return line + (" (cached)" if self.from_cache else f" (tokenized by the {self.prepared_with})")
+        where = {"driver": "tokenized in the driver", "ray data": "tokenized with Ray Data"}.get(self.prepared_with, "")
+        return line + (" (from the cache)" if self.from_cache else f" ({where})" if where else "")
 
 
 @dataclass
