@@ -294,6 +294,10 @@ def test_launcher_commands_start_a_token_protected_cluster_with_mlflow(path, tmp
     assert option(server["argv"], "--app-name") == "basic-auth"
     assert server["env"]["MLFLOW_AUTH_ADMIN_USERNAME"] == "admin"
     assert server["env"]["MLFLOW_AUTH_ADMIN_PASSWORD"] == TEST_MLFLOW_PASSWORD
+    # The app refuses to start without a static key for its CSRF tokens: one made on the head, kept.
+    key_file = tmp_path / "head" / "opt" / "mlflow" / "flask_secret_key"
+    assert server["env"]["MLFLOW_FLASK_SERVER_SECRET_KEY"] == key_file.read_text().strip()
+    assert len(key_file.read_text().strip()) >= 32 and key_file.stat().st_mode & 0o077 == 0
     auth_config = configparser.ConfigParser()
     assert auth_config.read(server["env"]["MLFLOW_AUTH_CONFIG_PATH"])
     assert auth_config["mlflow"]["database_uri"] == f"sqlite:///{tmp_path}/head/opt/mlflow/basic_auth.db"
@@ -379,7 +383,7 @@ RAY_JOB_SPEC = {
     },
 }
 SCHEMAS = {("ray.io/v1", "RayCluster"): RAY_CLUSTER_SPEC, ("ray.io/v1", "RayJob"): RAY_JOB_SPEC}
-SECRET_NAMES = {"zerolab-ray-auth", "zerolab-mlflow", "zerolab-hf"}
+SECRET_NAMES = {"zerolab-ray-auth", "zerolab-mlflow", "zerolab-mlflow-server", "zerolab-hf"}
 """The Secrets the manifests read; infra/README.md creates them from the user's shell."""
 SECRET_LIKE = re.compile(r"(^|_)(TOKEN|PASSWORD|SECRET|CREDENTIALS?|ACCESS_KEY|API_KEY)(_|$)")
 
@@ -611,6 +615,12 @@ def test_credentials_come_from_secrets_and_are_never_inlined():
     assert referenced == SECRET_NAMES
     mlflow_env = [e for c in containers() if c["name"] in {"ray-head", "ray-worker"} for e in c["envFrom"]]
     assert {"secretRef": {"name": "zerolab-mlflow"}} in mlflow_env, "the MLflow URI and credentials come from a Secret"
+    (server,) = manifest("Deployment", "zerolab-mlflow")["spec"]["template"]["spec"]["containers"]
+    assert "--app-name=basic-auth" in server["args"], "MLflow asks for a login"
+    env = {e["name"]: e.get("valueFrom", {}).get("secretKeyRef", {}).get("name") for e in server["env"]}
+    # MLflow's basic-auth app refuses to start without a static key for its CSRF tokens.
+    assert env["MLFLOW_FLASK_SERVER_SECRET_KEY"] == "zerolab-mlflow-server"
+    assert env["MLFLOW_AUTH_ADMIN_PASSWORD"] == "zerolab-mlflow"
     readme = (INFRA / "README.md").read_text(encoding="utf-8")
     for name in SECRET_NAMES:
         assert f"kubectl -n zerolab create secret generic {name}" in readme, f"README does not create {name}"
