@@ -16,6 +16,28 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["HF_HUB_OFFLINE"] = "1"  # tests never download; an attempt fails at once instead of timing out
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _record_environment(record_testsuite_property) -> None:
+    """The machine and versions, as test-suite properties of a --junitxml report (bench/gpu_report.py
+    puts them in the recorded page; without --junitxml this does nothing)."""
+    import importlib.metadata
+    import subprocess
+
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    record_testsuite_property("device", torch.cuda.get_device_name(0) if gpus else "cpu")
+    record_testsuite_property("gpus", gpus)
+    record_testsuite_property("cuda", torch.version.cuda or "none")
+    for package in ("torch", "deepspeed", "ray", "transformers", "peft", "mlflow", "liger_kernel"):
+        try:
+            record_testsuite_property(package, importlib.metadata.version(package.replace("_", "-")))
+        except importlib.metadata.PackageNotFoundError:
+            record_testsuite_property(package, "not installed")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    record_testsuite_property("commit", commit.stdout.strip() or "unknown")
+
+
 def tiny_overrides(tmp_path: Path, **extra: object) -> list[str]:
     """Overrides for a short CPU run: small generated data, few steps, temp storage and MLflow."""
     values: dict[str, object] = {
