@@ -34,8 +34,12 @@ def _record_environment(record_testsuite_property) -> None:
             record_testsuite_property(package, importlib.metadata.version(package.replace("_", "-")))
         except importlib.metadata.PackageNotFoundError:
             record_testsuite_property(package, "not installed")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    record_testsuite_property("commit", commit.stdout.strip() or "unknown")
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    except OSError:  # no git on this machine
+        commit, dirty = "", ""
+    record_testsuite_property("commit", f"{commit}{'-dirty' if dirty else ''}" if commit else "unknown")
 
 
 def tiny_overrides(tmp_path: Path, **extra: object) -> list[str]:
