@@ -16,6 +16,32 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["HF_HUB_OFFLINE"] = "1"  # tests never download; an attempt fails at once instead of timing out
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _record_environment(record_testsuite_property) -> None:
+    """The machine and versions, as test-suite properties of a --junitxml report (bench/gpu_report.py
+    puts them in the recorded page; without --junitxml this does nothing)."""
+    import importlib.metadata
+    import subprocess
+
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    record_testsuite_property("device", torch.cuda.get_device_name(0) if gpus else "cpu")
+    record_testsuite_property("gpus", gpus)
+    record_testsuite_property("cuda", torch.version.cuda or "none")
+    for package in ("torch", "deepspeed", "ray", "transformers", "peft", "mlflow", "liger_kernel"):
+        try:
+            record_testsuite_property(package, importlib.metadata.version(package.replace("_", "-")))
+        except importlib.metadata.PackageNotFoundError:
+            record_testsuite_property(package, "not installed")
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    except OSError:  # no git on this machine
+        commit, dirty = "", ""
+    record_testsuite_property("commit", f"{commit}{'-dirty' if dirty else ''}" if commit else "unknown")
+
+
 def tiny_overrides(tmp_path: Path, **extra: object) -> list[str]:
     """Overrides for a short CPU run: small generated data, few steps, temp storage and MLflow."""
     values: dict[str, object] = {
@@ -56,6 +82,20 @@ def rows_of(lengths, seed=0):
     return out
 
 
+def trained_state(checkpoint: Path, stage: int) -> dict:
+    """The engine's final weights, read back independently from the DeepSpeed checkpoint in a run's
+    checkpoint folder: under ZeRO 0-2 rank 0's module state (the weights the forward ran with, in
+    the training dtype); under ZeRO-3 the fp32 master partitions of every rank, consolidated."""
+    import torch
+
+    folder = checkpoint / "deepspeed"
+    if stage < 3:  # every rank holds whole parameters; rank 0 saved the module
+        return torch.load(folder / "state" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag="state")
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray instance for the whole session (starting Ray costs seconds each time)."""
@@ -74,6 +114,33 @@ def tiny_model_path() -> str:
     from zerolab.models import build_tiny_model
 
     return str(build_tiny_model())
+
+
+GPU_SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+"""The GPU tier's model: head_dim 64 and grouped-query attention as in Qwen2.5, an untied head (the
+built-in tiny model ties it), small enough that a ZeRO-3 offload run takes seconds."""
+
+
+@pytest.fixture(scope="session")
+def gpu_model_path(tmp_path_factory) -> str:
+    """A random-init Qwen2 of ``GPU_SHAPE`` in bf16 with the built-in model's tokenizer (trained in
+    seconds; the built-in model's pre-training is not needed), saved to a temp folder."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from zerolab.models import _train_tiny_tokenizer
+
+    folder = tmp_path_factory.mktemp("gpu-qwen2")
+    tokenizer = _train_tiny_tokenizer()
+    tokenizer.save_pretrained(folder)
+    config = Qwen2Config(vocab_size=len(tokenizer), max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=None,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **GPU_SHAPE)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(folder)
+    return str(folder)
 
 
 @pytest.fixture(scope="session")

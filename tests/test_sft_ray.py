@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_overrides
+from conftest import tiny_overrides, trained_state
 from zerolab import adapters
 from zerolab.config import ModelSpec, load_config
 from zerolab.models import load_model
@@ -17,16 +17,6 @@ from zerolab.run import run_sft
 pytestmark = pytest.mark.ray
 
 PROBE = torch.tensor([[3, 17, 250, 99, 5, 61, 400, 12], [7, 7, 100, 200, 300, 1, 2, 3]])
-
-
-def trained_state(checkpoint: Path, stage: int) -> dict[str, torch.Tensor]:
-    """The engine's final weights, read back independently from the DeepSpeed checkpoint."""
-    folder = checkpoint / "deepspeed"
-    if stage < 3:  # every rank holds whole parameters; rank 0 saved the module
-        return torch.load(folder / "state" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag="state")
 
 
 def logits(model: torch.nn.Module) -> torch.Tensor:

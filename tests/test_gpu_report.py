@@ -1,0 +1,60 @@
+"""bench/gpu_report.py, which records the GPU tier's last run: fed the JUnit XML of a real pytest run."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+from conftest import REPO
+
+SAMPLE = '''
+import pytest
+
+@pytest.fixture(scope="session", autouse=True)
+def env(record_testsuite_property):
+    record_testsuite_property("device", "NVIDIA H200")
+    record_testsuite_property("gpus", 2)
+    record_testsuite_property("extra", "x|y")
+
+@pytest.mark.parametrize("case", ["1gpu-lora-zero0", "2gpu-full-zero3"])
+def test_matrix(case):
+    assert case.startswith("1gpu"), "logits differ | by 3e-1"
+
+def test_skipped():
+    pytest.skip("needs 2 GPUs, 1 found")
+'''
+
+
+def load_report_module():
+    spec = importlib.util.spec_from_file_location("gpu_report", REPO / "bench" / "gpu_report.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_pytest_junit_report_becomes_the_page(tmp_path):
+    gpu_report = load_report_module()
+    (tmp_path / "test_sample.py").write_text(SAMPLE)
+    xml = tmp_path / "run.xml"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_sample.py"),
+                           f"--junitxml={xml}", "--rootdir", str(tmp_path)], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout[-2000:]  # one test fails on purpose
+
+    report = gpu_report.read_junit(xml)
+    assert report.counts() == {"passed": 1, "failed": 1, "error": 0, "skipped": 1}
+    assert report.properties["device"] == "NVIDIA H200" and report.properties["gpus"] == "2"
+    by_params = {c.params: c for c in report.cases}
+    assert by_params["1gpu-lora-zero0"].test == "test_sample.py::test_matrix"
+    assert by_params["2gpu-full-zero3"].outcome == "failed" and "logits differ" in by_params["2gpu-full-zero3"].message
+    assert by_params[""].outcome == "skipped" and "needs 2 GPUs, 1 found" in by_params[""].message
+
+    out = tmp_path / "gpu_tests.md"
+    assert gpu_report.main([str(xml), "--out", str(out)]) == 0
+    page = out.read_text()
+    assert "1 passed, 1 failed, 1 skipped" in page
+    assert "| device | NVIDIA H200 |" in page.splitlines() and "| extra | x\\|y |" in page.splitlines()
+    rows = [line for line in page.splitlines() if line.startswith("| `test_sample.py")]
+    assert len(rows) == 3 and rows[1].startswith("| `test_sample.py::test_matrix` | 2gpu-full-zero3 | failed |")
+    assert "logits differ \\| by 3e-1" in rows[1]  # a '|' in a message does not split the table's cell

@@ -1,0 +1,196 @@
+"""The GPU tier: every adapter method on ZeRO 0/2/3 as a real zerolab job on 1 and 2 GPUs.
+
+    pytest -m gpu --junitxml=gpu.xml; python bench/gpu_report.py gpu.xml --out docs/gpu_tests.md
+
+Each case is a zerolab job through Ray Train (``run_sft`` with ``scaling.use_gpu=true``: NCCL,
+bf16, and Liger's kernels and the fused LoRA forward wherever zerolab applies them) on a
+random-init Qwen2 of ``GPU_SHAPE`` (conftest) for six steps, recorded in a temp MLflow store.
+The matrix: lora, dora, rslora and full on ZeRO 0, 2 and 3; LoRA once more on ZeRO-2 with the
+optimizer offloaded and on ZeRO-3 with optimizer and parameters offloaded; AdaLoRA where zerolab
+allows it (ZeRO-0, fp32); ZeRO-2 LoRA packed with the varlen attention kernel. Each on one GPU
+and on two (skipped with fewer). The fused kernels' own checks against the plain path are in
+``test_kernels.py`` (its ``cuda`` cases).
+
+What "gives the training-time logits" is checked against: the training-time model is rebuilt
+from the DeepSpeed checkpoint the job wrote beside the adapter, not from the adapter itself.
+Under ZeRO 0-2 that is rank 0's module state, the 16-bit weights the training forward ran with;
+under ZeRO-3 the fp32 master partitions of every rank consolidated by DeepSpeed's zero_to_fp32
+and rounded to the training dtype (the 16-bit parameters are exactly that rounding). The engine
+writes that state by its own path (ZeRO-3: from the optimizer's partitions), independent of
+zerolab's adapter gathering and saving. Loaded onto the base model with zerolab's adapter code,
+it gives the reference logits of a fixed probe batch, in fp32 on the GPU. A fresh Python process
+(no zerolab, nothing from training) then loads the saved folder the documented way, peft's
+``PeftModel.from_pretrained`` on the base model (full fine-tuning: transformers'
+``AutoModelForCausalLM.from_pretrained``), and computes the probe's logits in fp32 and in bf16:
+fp32 must match the reference to float rounding (the same weights, bit for bit), bf16 within
+bf16's. Logits recorded inside the training step itself would need a hook in the trainer that
+only tests use, and would differ from any reload by dropout and by the fused kernels' rounding.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_overrides, trained_state
+from zerolab import adapters
+from zerolab.config import ModelSpec, SFTConfig, load_config
+from zerolab.models import load_model
+from zerolab.train import DTYPES
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+pytestmark = [pytest.mark.gpu, pytest.mark.ray, pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU")]
+
+STEPS = 6
+
+PROBE = torch.tensor([[3, 17, 250, 99, 5, 61, 400, 12, 870, 44, 1000, 9, 300, 2, 77, 512],
+                      [7, 7, 100, 200, 300, 1, 2, 3, 640, 33, 21, 900, 15, 6, 250, 128]])
+
+CASES: dict[str, list[str]] = {
+    **{f"{method}-zero{stage}": [f"adapter.method={method}", f"deepspeed.stage={stage}"]
+       for method in ("lora", "dora", "rslora") for stage in (0, 2, 3)},
+    **{f"full-zero{stage}": ["adapter.method=full", f"deepspeed.stage={stage}", "train.lr=1e-3"] for stage in (0, 2, 3)},
+    "lora-zero2-offload": ["deepspeed.stage=2", "deepspeed.offload_optimizer=true"],
+    "lora-zero3-offload": ["deepspeed.stage=3", "deepspeed.offload_optimizer=true", "deepspeed.offload_param=true"],
+    # zerolab's validation allows AdaLoRA on ZeRO-0 in fp32 only (config.validate).
+    "adalora-zero0-fp32": ["adapter.method=adalora", "deepspeed.stage=0", "train.precision=fp32", "adapter.r=4",
+                           "adapter.adalora_init_r=8"],
+    "lora-zero2-packed-varlen": ["deepspeed.stage=2", "data.packing=true", "model.attn_implementation=varlen",
+                                 "train.micro_batch_size=2"],
+}
+"""Overrides of each case on top of ``case_config``'s."""
+
+BF16_LOGITS_TOL = 3e-2
+"""Relative (Frobenius) error allowed for bf16 logits against fp32 ones on the same weights (the base
+model of ``GPU_SHAPE``: 6e-3 on CPU)."""
+
+RELOAD = r"""
+import sys, torch
+from transformers import AutoModelForCausalLM
+base, saved, kind, probe_file, out_file, device = sys.argv[1:]
+probe = torch.load(probe_file).to(device)
+out = {}
+for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+    if kind == "adapter":
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=dtype), saved)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(saved, dtype=dtype)
+    model.to(device).eval()
+    with torch.no_grad():
+        out[name] = model(input_ids=probe, use_cache=False).logits.float().cpu()
+torch.save(out, out_file)
+"""
+"""What a user runs to load a result (README), in a process of its own."""
+
+
+@pytest.fixture(scope="module")
+def gpu_ray():
+    """A local Ray instance whose workers see the GPUs and use DeepSpeed's CUDA accelerator: workers
+    inherit the environment Ray starts with, and the suite's conftest sets DS_ACCELERATOR=cpu. A
+    CPU instance of the session (the ``ray_cluster`` fixture) is stopped first and restarted after."""
+    import ray
+
+    from zerolab.run import connect_ray
+
+    was_running = ray.is_initialized()
+    ray.shutdown()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DS_ACCELERATOR", "cuda")
+        connect_ray(load_config(None, ["scaling.use_gpu=true"]))
+        yield ray
+        ray.shutdown()
+    if was_running:
+        connect_ray(load_config(None, []))
+
+
+def case_config(tmp_path: Path, model_path: str, overrides: list[str], num_workers: int, *, use_gpu: bool = True) -> SFTConfig:
+    values = {"model.name_or_path": model_path, "scaling.use_gpu": str(use_gpu).lower(), "scaling.num_workers": num_workers,
+              "data.num_train_rows": 128, "data.num_eval_rows": 16, "train.max_steps": STEPS}
+    values.update(o.split("=", 1) for o in overrides)
+    return load_config(None, tiny_overrides(tmp_path, **values))
+
+
+def reference_model(cfg: SFTConfig, checkpoint: Path, device: torch.device) -> torch.nn.Module:
+    """The base model with the DeepSpeed checkpoint's weights rounded to the training dtype, in fp32."""
+    state = {k: v.to(DTYPES[cfg.precision()]).float() for k, v in trained_state(checkpoint, cfg.deepspeed.stage).items()}
+    base = load_model(ModelSpec(name_or_path=cfg.model.name_or_path), torch.float32)
+    if cfg.adapter.is_peft():
+        base_state = base.state_dict()
+        for key, value in state.items():  # the frozen weights the state holds are the base model's
+            if "lora_" not in key and "ranknum" not in key:
+                assert torch.equal(value, base_state[key.replace("base_model.model.", "").replace(".base_layer", "")]), key
+        model = adapters.apply_adapter(base, cfg.adapter, total_steps=cfg.train.max_steps)
+    else:
+        model = base
+    result = model.load_state_dict(state, strict=False)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert not result.unexpected_keys and not trained & set(result.missing_keys), (result.unexpected_keys, trained & set(result.missing_keys))
+    return model.to(device)
+
+
+def probe_logits(model: torch.nn.Module, device: torch.device) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=PROBE.to(device), use_cache=False).logits.float().cpu()
+
+
+def reloaded_logits(cfg: SFTConfig, saved: str, tmp_path: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    """The probe's logits from ``saved`` loaded by peft / transformers in a fresh process, fp32 and bf16."""
+    torch.save(PROBE, tmp_path / "probe.pt")
+    kind = "adapter" if cfg.adapter.is_peft() else "model"
+    proc = subprocess.run([sys.executable, "-c", RELOAD, cfg.model.name_or_path, saved, kind, str(tmp_path / "probe.pt"),
+                           str(tmp_path / "reloaded.pt"), str(device)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(tmp_path / "reloaded.pt")
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def check_case(tmp_path: Path, model_path: str, overrides: list[str], num_workers: int, *, use_gpu: bool = True) -> None:
+    """Train one case and check its record, its checkpoint and its reload (see the module docstring)."""
+    from mlflow import MlflowClient
+
+    from zerolab.run import run_sft
+
+    cfg = case_config(tmp_path, model_path, overrides, num_workers, use_gpu=use_gpu)
+    result = run_sft(cfg)
+
+    client = MlflowClient(result.tracking_uri)
+    run = client.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["derived.world_size"] == str(num_workers)
+    assert run.data.params["derived.precision"] == cfg.precision() == ("fp32" if cfg.adapter.method == "adalora" or not use_gpu else "bf16")
+    losses = [m.value for m in sorted(client.get_metric_history(result.run_id, "train/loss"), key=lambda m: m.step)]
+    assert len(losses) == STEPS // cfg.train.log_every_n_steps and all(map(math.isfinite, losses)), losses
+    assert losses[-1] < losses[0], losses
+    assert math.isfinite(run.data.metrics["eval/loss"])
+    if use_gpu:
+        assert result.metrics["mem/gpu_peak_allocated_gib"] > 0, result.metrics
+
+    device = torch.device("cuda" if use_gpu else "cpu")
+    reference = probe_logits(reference_model(cfg, Path(result.checkpoint_path), device), device)
+    base = probe_logits(load_model(ModelSpec(name_or_path=model_path), torch.float32).to(device), device)
+    assert relative_error(reference, base) > 1e-3, "training left the probe's logits as they were"
+    reloaded = reloaded_logits(cfg, result.adapter_path, tmp_path, device)
+    torch.testing.assert_close(reloaded["fp32"], reference, rtol=1e-4, atol=1e-4)
+    assert relative_error(reloaded["bf16"], reference) < BF16_LOGITS_TOL
+
+
+def matrix() -> list:
+    return [pytest.param(n, overrides, id=f"{n}gpu-{name}",
+                         marks=[pytest.mark.skipif(GPUS < n, reason=f"needs {n} GPUs, {GPUS} found")] if n > 1 else [])
+            for n in (1, 2) for name, overrides in CASES.items()]
+
+
+@pytest.mark.parametrize(("num_gpus", "overrides"), matrix())
+def test_method_and_zero_stage_on_gpus(gpu_ray, tmp_path, gpu_model_path, num_gpus, overrides):
+    check_case(tmp_path, gpu_model_path, overrides, num_gpus)
