@@ -1,5 +1,6 @@
-"""Compare runs without the UI: one row per MLflow run with its key params next to throughput,
-peak memory, wall time, final loss and eval metrics, written as CSV, Markdown and a PNG chart.
+"""Compare runs without the UI: one row per MLflow run, named by the values that differ between the
+runs, with its key params next to throughput, peak memory, utilisation, wall time (start-up and
+training apart), final loss and eval metrics, written as CSV, Markdown and a PNG chart.
 
 Works on a whole experiment or on the child runs of one parent run (a Tune sweep).
 """
