@@ -84,3 +84,10 @@ def test_chart_names_every_run_by_its_label(tmp_path):
     assert [b.get_width() for b in rest] == [10.0, 80.0]
     assert [t.get_text() for t in ax_time.get_legend().get_texts()][0].startswith("start-up")
     assert [b.get_width() for b in ax_util.containers[0]] == [80.0, 0.0]
+
+
+def test_chart_takes_the_sweep_tables_names(tmp_path):
+    rows = [compare.RunRow(f"id{i}", f"trial-{i}", "FINISHED", {"adapter.r": str(r)}, {"tokens_per_s": 1.0}, [(1, 1.0)])
+            for i, r in enumerate((4, 8))]
+    fig = compare.plot(rows, tmp_path / "runs.png", ["ZeRO-0, r=4", "ZeRO-2, r=8"])
+    assert [t.get_text() for t in fig.axes[1].get_yticklabels()] == ["ZeRO-0, r=4", "ZeRO-2, r=8"]

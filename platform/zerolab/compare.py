@@ -265,16 +265,17 @@ def text_table(header: list[str], cells: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[RunRow], path: Path) -> Any:
-    """The runs at a glance, each named by its label (what differs between them): loss curves;
-    tokens/s; peak GPU and host memory; wall time split into start-up, training and the rest
-    (saving, upload, evaluation); mean GPU and CPU utilisation. Returns the (closed) figure."""
+def plot(rows: list[RunRow], path: Path, names: list[str] | None = None) -> Any:
+    """The runs at a glance, each named by ``names`` (default: its label, what differs between
+    them): loss curves; tokens/s; peak GPU and host memory; wall time split into start-up, training
+    and the rest (saving, upload, evaluation); mean GPU and CPU utilisation. Returns the (closed)
+    figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = labels(rows)
+    names = names or labels(rows)
     y = list(range(len(rows)))
     height = 0.4
     fig = plt.figure(figsize=(18, 9.5))

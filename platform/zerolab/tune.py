@@ -567,8 +567,6 @@ def write_results(rows: list[TrialRow], sweep: Sweep, uri: str, experiment: str,
         if row.metrics.get("perf/first_step_unix"):
             run.values.update(compare.timing(run.start_unix, run.end_unix, first_step_unix=row.metrics["perf/first_step_unix"],
                                              training_s=row.metrics.get("perf/wall_s") or run.values.get("training_s")))
-        # A trial's label says what its sweep varied (its space keys), read by the chart from the run's params.
-        run.params.update({k: str(v) for k, v in row.params.items()})
         row.metrics.update({k: run.values.get(k) for k in (*compare.UTILISATION, *compare.TIMING)})
         row.metrics.update({m: run.values[c] for m, c in summarised.items() if run.values.get(c) is not None})
         if row.objective is not None and sweep.metric in summarised and run.values.get(summarised[sweep.metric]) is not None:
@@ -581,7 +579,11 @@ def write_results(rows: list[TrialRow], sweep: Sweep, uri: str, experiment: str,
     paths["md"].write_text(compare.markdown(header, cells))
     trained = [r for r in runs if r.loss_curve]  # skipped trials have none
     if trained:
-        compare.plot(trained, out / "runs.png")
+        # Named as in the table: by the space's values that differ between the trials shown.
+        space = {r.run_name: r.params for r in rows}
+        keys = [d.key for d in sweep.space]
+        names = compare.run_labels([{k: space.get(r.name, {}).get(k) for k in keys} for r in trained], [r.name for r in trained])
+        compare.plot(trained, out / "runs.png", names)
         paths["png"] = out / "runs.png"
     for path in paths.values():
         tracking.log_artifact(uri, parent_id, path, "results")
