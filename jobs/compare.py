@@ -1,6 +1,8 @@
-"""Compare MLflow runs side by side without the UI: key params next to tokens/s, peak GPU and host
-memory, wall time, final loss and eval metrics; a PNG chart (loss curves, throughput and memory
-bars) and the table as CSV and Markdown.
+"""Compare MLflow runs side by side without the UI: each run named by the values that differ between
+them (e.g. ``ZeRO-3 + offload, r=16``), key params next to tokens/s, peak GPU and host memory,
+GPU/CPU utilisation, wall time with start-up and training apart, final loss and eval metrics; a PNG
+chart of the same (loss curves, throughput, memory, wall time, utilisation) and the table as CSV
+and Markdown.
 
     python jobs/compare.py --experiment zerolab
     python jobs/compare.py --experiment zerolab --parent stage-sweep     # the child runs of a Tune sweep

@@ -145,7 +145,9 @@ def test_compare_table_chart_and_sweep_children(store, tmp_path):
     paths = compare.write(rows, tmp_path / "out")
     with paths["csv"].open() as f:
         table = list(csv.DictReader(f))
-    assert [t["run"] for t in table] == ["trial-r8", "trial-r16"] and float(table[1]["tokens_per_s"]) == 110.0
+    # Runs named by what differs between them (only adapter.r here), the MLflow name beside it.
+    assert [t["run"] for t in table] == ["r=8", "r=16"] and [t["mlflow_run"] for t in table] == ["trial-r8", "trial-r16"]
+    assert float(table[1]["tokens_per_s"]) == 110.0
     assert paths["md"].read_text().startswith("| run | status |")
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and paths["png"].stat().st_size > 10_000
 

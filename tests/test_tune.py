@@ -118,7 +118,8 @@ def test_grid_over_stage_rank_and_batch_gives_one_child_run_per_trial(tmp_path, 
     artifacts = {a.path for a in MlflowClient(uri).list_artifacts(parent.info.run_id)}
     assert {"search_space.yaml", "best_config.yaml", "results"} <= artifacts
     table = (tmp_path / "out" / "results.md").read_text()
-    assert table.startswith("| rank | trial | deepspeed.zero | adapter.r | train.micro_batch_size | perf/tokens_per_s |")
+    assert table.startswith("| rank | run | deepspeed.zero | adapter.r | train.micro_batch_size | perf/tokens_per_s |")
+    assert "| ZeRO-2, r=8, micro-batch=4 |" in table and "| ZeRO-0, r=4, micro-batch=2 |" in table  # labels, not trial ids
     assert (tmp_path / "out" / "runs.png").stat().st_size > 10_000
 
 

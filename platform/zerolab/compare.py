@@ -1,5 +1,6 @@
-"""Compare runs without the UI: one row per MLflow run with its key params next to throughput,
-peak memory, wall time, final loss and eval metrics, written as CSV, Markdown and a PNG chart.
+"""Compare runs without the UI: one row per MLflow run, named by the values that differ between the
+runs, with its key params next to throughput, peak memory, utilisation, wall time (start-up and
+training apart), final loss and eval metrics, written as CSV, Markdown and a PNG chart.
 
 Works on a whole experiment or on the child runs of one parent run (a Tune sweep).
 """
@@ -24,6 +25,70 @@ NOISY_PARAMS = ("data.train.", "data.eval.", "data.seed", "data.train_path", "da
 """Per-run facts (fingerprints, counts, paths) that differ without being a choice worth a column."""
 
 
+STAGE_KEYS = ("deepspeed.zero", "deepspeed.stage", "deepspeed.offload_optimizer", "deepspeed.offload_param")
+"""Params that together say one thing, the ZeRO stage and what it offloads: one part of a run's label."""
+SHORT_NAMES = {"adapter.method": "", "adapter.r": "r", "adapter.alpha": "alpha", "train.micro_batch_size": "micro-batch",
+               "train.grad_accum_steps": "grad-accum", "derived.world_size": "workers", "scaling.num_workers": "workers"}
+"""How a label names a param (empty: the value alone, e.g. ``dora``); others by their last dotted part."""
+
+
+def stage_label(params: dict[str, Any]) -> str:
+    """``ZeRO-3 + offload`` (optimizer and parameters), ``ZeRO-2 + optimizer offload``, ``ZeRO-0``: from
+    ``deepspeed.zero`` (a sweep's stage+offload key, e.g. ``3+all``) or the stage and offload params."""
+    zero = params.get("deepspeed.zero")
+    if zero is not None:
+        stage, _, offload = str(zero).partition("+")
+        optimizer, param = offload in ("optimizer", "all"), offload == "all"
+    else:
+        stage = str(params.get("deepspeed.stage", "?"))
+        optimizer, param = (str(params.get(k, "")).lower() in ("true", "1") for k in STAGE_KEYS[2:])
+    offload = " + offload" if optimizer and param else " + optimizer offload" if optimizer else " + param offload" if param else ""
+    return f"ZeRO-{stage}{offload}"
+
+
+def _value_text(value: Any) -> str:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return str(value)
+    return f"{number:g}" if not str(value).lstrip("-").isdigit() else str(value)
+
+
+def varying_keys(params: list[dict[str, Any]]) -> list[str]:
+    """The config keys whose values differ between these runs (a key some runs lack counts), in
+    the order of ``KEY_PARAMS`` then alphabetical."""
+    keys = {k for p in params for k in p
+            if (k.startswith(CONFIG_SECTIONS) or k in KEY_PARAMS or k in STAGE_KEYS) and not k.startswith(NOISY_PARAMS)
+            and len({str(x.get(k)) for x in params}) > 1}
+    return [k for k in KEY_PARAMS if k in keys] + sorted(keys - set(KEY_PARAMS))
+
+
+def run_labels(params: list[dict[str, Any]], names: list[str]) -> list[str]:
+    """One label per run from the values that differ between them, e.g. ``ZeRO-3 + offload, r=16``:
+    the stage and offload as one part, then each other varying key as ``name=value``. Runs that
+    nothing tells apart (or a single run) keep their name; labels that still collide get it added."""
+    keys = varying_keys(params)
+    if not keys:
+        return list(names)
+    stage = any(k in STAGE_KEYS for k in keys)
+    labels = []
+    for p in params:
+        parts = [stage_label(p)] if stage else []
+        for k in keys:
+            if k in STAGE_KEYS:
+                continue
+            short = SHORT_NAMES.get(k, k.rsplit(".", 1)[-1])
+            value = _value_text(p.get(k, "-"))
+            parts.append(f"{short}={value}" if short else value)
+        labels.append(", ".join(parts))
+    return [f"{label} ({name})" if labels.count(label) > 1 else label for label, name in zip(labels, names)]
+
+
+def labels(rows: list[RunRow]) -> list[str]:
+    """``run_labels`` of these runs."""
+    return run_labels([r.params for r in rows], [r.name for r in rows])
+
+
 class CompareError(ValueError):
     """Nothing to compare: unknown experiment or parent run, or no runs in it."""
 
@@ -36,6 +101,8 @@ class RunRow:
     params: dict[str, str]
     values: dict[str, float | None] = field(default_factory=dict)
     loss_curve: list[tuple[int, float]] = field(default_factory=list)
+    start_unix: float | None = None
+    end_unix: float | None = None
 
 
 def _last(history: list[Any]) -> float | None:
@@ -67,6 +134,28 @@ METRICS = {
 UTILISATION = {"cpu_util_pct": re.compile(r"system/.+/cpu_utilization_percentage"),
                "gpu_util_pct": re.compile(r"system/.+/gpu_\d+_utilization_percentage")}
 """Column -> the system metrics (every node, every GPU) whose samples it averages."""
+TIMING = ("wall_s", "startup_s", "training_s")
+"""The whole run (MLflow's start to end), its start-up (to the end of the first optimizer step:
+Ray, data, model load, DeepSpeed) and its training (first step to last)."""
+
+
+def timing(start_unix: float | None, end_unix: float | None, *, first_step_unix: float | None = None,
+           training_s: float | None = None, first_log: tuple[float, int, float] | None = None,
+           last_log_unix: float | None = None) -> dict[str, float | None]:
+    """``wall_s``, ``startup_s`` and ``training_s`` of one run. The first step's time is the
+    recorded ``perf/first_step_unix`` when there is one, else estimated from the first logged
+    window ``first_log`` = (its time, its step, its seconds per step) as that time less the steps
+    after the first at that pace; training is the recorded ``perf/wall_s``, else first step to the
+    last logged window."""
+    if not first_step_unix and first_log is not None:
+        logged_unix, step, step_s = first_log
+        first_step_unix = logged_unix - max(step - 1, 0) * step_s
+    first_step_unix = first_step_unix or None
+    wall = end_unix - start_unix if start_unix and end_unix else None
+    startup = first_step_unix - start_unix if first_step_unix and start_unix else None
+    if training_s is None and first_step_unix and last_log_unix:
+        training_s = max(last_log_unix - first_step_unix, 0.0)
+    return {"wall_s": wall if wall is not None else training_s, "startup_s": startup, "training_s": training_s}
 
 
 def collect(uri: str, experiment: str, parent: str | None = None) -> list[RunRow]:
@@ -100,13 +189,19 @@ def collect(uri: str, experiment: str, parent: str | None = None) -> list[RunRow
             keys = [k for k in run.data.metrics if pattern.fullmatch(k)]
             samples = [m.value for k in keys for m in client.get_metric_history(run.info.run_id, k)]
             row.values[column] = statistics.fmean(samples) if samples else None
-        wall = run.data.metrics.get("perf/wall_s")
-        if wall is None and run.info.end_time:
-            wall = (run.info.end_time - run.info.start_time) / 1000
-        row.values["wall_s"] = wall
-        if "train/loss" in run.data.metrics:
-            row.loss_curve = [(m.step, m.value) for m in sorted(client.get_metric_history(run.info.run_id, "train/loss"),
-                                                                key=lambda m: m.step)]
+        row.start_unix = run.info.start_time / 1000 if run.info.start_time else None
+        row.end_unix = run.info.end_time / 1000 if run.info.end_time else None
+        losses = sorted(client.get_metric_history(run.info.run_id, "train/loss"), key=lambda m: (m.step, m.timestamp)) \
+            if "train/loss" in run.data.metrics else []
+        row.loss_curve = [(m.step, m.value) for m in losses]
+        first_log = None
+        if losses and "perf/step_s" in run.data.metrics:
+            step_s = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "perf/step_s")}
+            if losses[0].step in step_s:
+                first_log = (losses[0].timestamp / 1000, losses[0].step, step_s[losses[0].step])
+        row.values.update(timing(row.start_unix, row.end_unix, first_step_unix=run.data.metrics.get("perf/first_step_unix"),
+                                 training_s=run.data.metrics.get("perf/wall_s"), first_log=first_log,
+                                 last_log_unix=losses[-1].timestamp / 1000 if losses else None))
         rows.append(row)
     return rows
 
@@ -133,17 +228,18 @@ def param_columns(rows: list[RunRow]) -> list[str]:
 
 def columns(rows: list[RunRow]) -> tuple[list[str], list[str]]:
     """The param columns and the metric columns that any of the runs has."""
-    metrics = [c for c in [*METRICS, *UTILISATION, "wall_s", *sorted({k for r in rows for k in r.values if k.startswith("eval/")})]
+    metrics = [c for c in [*METRICS, *UTILISATION, *TIMING, *sorted({k for r in rows for k in r.values if k.startswith("eval/")})]
                if any(r.values.get(c) is not None for r in rows)]
     return param_columns(rows), metrics
 
 
 def table(rows: list[RunRow]) -> tuple[list[str], list[list[str]]]:
-    """Header and formatted cells: run, status, params, metrics."""
+    """Header and formatted cells: run (its label: what differs), status, params, metrics, and
+    the MLflow run name."""
     params, metrics = columns(rows)
-    header = ["run", "status", *params, *metrics]
-    cells = [[r.name, r.status, *(r.params.get(p, "") for p in params), *(format_value(r.values.get(m)) for m in metrics)]
-             for r in rows]
+    header = ["run", "status", *params, *metrics, "mlflow_run"]
+    cells = [[label, r.status, *(r.params.get(p, "") for p in params), *(format_value(r.values.get(m)) for m in metrics), r.name]
+             for r, label in zip(rows, labels(rows))]
     return header, cells
 
 
@@ -169,34 +265,57 @@ def text_table(header: list[str], cells: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[RunRow], path: Path) -> None:
-    """Loss curves on the left; tokens/s and peak GPU/host memory per run on the right."""
+def plot(rows: list[RunRow], path: Path, names: list[str] | None = None) -> Any:
+    """The runs at a glance, each named by ``names`` (default: its label, what differs between
+    them): loss curves; tokens/s; peak GPU and host memory; wall time split into start-up, training
+    and the rest (saving, upload, evaluation); mean GPU and CPU utilisation. Returns the (closed)
+    figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_tps, ax_mem) = plt.subplots(1, 3, figsize=(17, 5), gridspec_kw={"width_ratios": [2, 1, 1]})
-    for r in rows:
+    names = names or labels(rows)
+    y = list(range(len(rows)))
+    height = 0.4
+    fig = plt.figure(figsize=(18, 9.5))
+    grid = fig.add_gridspec(2, 3)
+    ax_loss, ax_tps = fig.add_subplot(grid[0, :2]), fig.add_subplot(grid[0, 2])
+    ax_mem, ax_time, ax_util = (fig.add_subplot(grid[1, i]) for i in range(3))
+    for r, name in zip(rows, names):
         if r.loss_curve:
-            ax_loss.plot(*zip(*r.loss_curve), marker=".", label=r.name)
+            ax_loss.plot(*zip(*r.loss_curve), marker=".", label=name)
     ax_loss.set(title="train/loss", xlabel="step", ylabel="loss")
     if any(r.loss_curve for r in rows):
         ax_loss.legend(fontsize="small")
-    names = [r.name for r in rows]
-    y = range(len(rows))
-    ax_tps.barh(y, [r.values.get("tokens_per_s") or 0 for r in rows], color="tab:green")
-    ax_tps.set(title="non-padding tokens/s", yticks=list(y), yticklabels=names)
-    ax_tps.invert_yaxis()
-    height = 0.4
-    ax_mem.barh([i - height / 2 for i in y], [r.values.get("gpu_peak_gib") or 0 for r in rows], height, label="GPU peak allocated")
-    ax_mem.barh([i + height / 2 for i in y], [r.values.get("host_rss_gib") or 0 for r in rows], height, label="host RSS peak (workers)")
-    ax_mem.set(title="peak memory (GiB)", yticks=list(y), yticklabels=[""] * len(rows))
-    ax_mem.invert_yaxis()
-    ax_mem.legend(fontsize="small")
+
+    def value(r: RunRow, key: str) -> float:
+        return r.values.get(key) or 0.0
+
+    ax_tps.barh(y, [value(r, "tokens_per_s") for r in rows], color="tab:green")
+    ax_tps.set(title="non-padding tokens/s (median after warm-up)")
+    ax_mem.barh([i - height / 2 for i in y], [value(r, "gpu_peak_gib") for r in rows], height, label="GPU peak allocated")
+    ax_mem.barh([i + height / 2 for i in y], [value(r, "host_rss_gib") for r in rows], height, label="host RSS peak (workers)")
+    ax_mem.set(title="peak memory (GiB)")
+    startup = [value(r, "startup_s") for r in rows]
+    training = [value(r, "training_s") for r in rows]
+    rest = [max(value(r, "wall_s") - s - t, 0.0) for r, s, t in zip(rows, startup, training)]
+    ax_time.barh(y, startup, label="start-up (to the first step)", color="tab:gray")
+    ax_time.barh(y, training, left=startup, label="training", color="tab:blue")
+    ax_time.barh(y, rest, left=[s + t for s, t in zip(startup, training)], label="saving, upload, eval", color="tab:olive")
+    ax_time.set(title="wall time (s)")
+    ax_util.barh([i - height / 2 for i in y], [value(r, "gpu_util_pct") for r in rows], height, label="GPU", color="tab:purple")
+    ax_util.barh([i + height / 2 for i in y], [value(r, "cpu_util_pct") for r in rows], height, label="CPU", color="tab:orange")
+    ax_util.set(title="mean utilisation (%)", xlim=(0, 100))
+    for ax in (ax_tps, ax_mem, ax_time, ax_util):
+        ax.set(yticks=y, yticklabels=names if ax in (ax_tps, ax_mem) else [""] * len(rows))
+        ax.invert_yaxis()
+    for ax in (ax_mem, ax_time, ax_util):
+        ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
+    return fig
 
 
 def write(rows: list[RunRow], out: Path) -> dict[str, Path]:
@@ -207,9 +326,9 @@ def write(rows: list[RunRow], out: Path) -> dict[str, Path]:
     params, metrics = columns(rows)
     with paths["csv"].open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["run_id", "run", "status", *params, *metrics])
-        w.writerows([r.run_id, r.name, r.status, *(r.params.get(p, "") for p in params),
-                     *("" if r.values.get(m) is None else r.values[m] for m in metrics)] for r in rows)
+        w.writerow(["run_id", "run", "mlflow_run", "status", *params, *metrics])
+        w.writerows([r.run_id, label, r.name, r.status, *(r.params.get(p, "") for p in params),
+                     *("" if r.values.get(m) is None else r.values[m] for m in metrics)] for r, label in zip(rows, labels(rows)))
     paths["md"].write_text(markdown(header, cells))
     plot(rows, paths["png"])
     return paths

@@ -523,23 +523,27 @@ def _finish_children(uri: str, experiment: str, rows: list[TrialRow]) -> None:
 
 RESULT_COLUMNS = (("tokens_per_s", "perf/tokens_per_s"), ("gpu_peak_gib", "mem/gpu_peak_allocated_gib"),
                   ("host_rss_gib", "mem/host_rss_peak_gib"), ("gpu_util_pct", "gpu_util_pct"), ("cpu_util_pct", "cpu_util_pct"),
-                  ("train_loss", "train/loss"), ("eval_loss", "eval/loss"), ("wall_s", "perf/wall_s"))
-"""Table column -> trial metric (utilisation: the mean of the run's MLflow system metrics)."""
+                  ("train_loss", "train/loss"), ("eval_loss", "eval/loss"), ("wall_s", "wall_s"), ("startup_s", "startup_s"),
+                  ("training_s", "training_s"))
+"""Table column -> trial metric (utilisation: the mean of the run's MLflow system metrics; wall time:
+the whole MLflow run, its start-up to the first step, and its training)."""
 
 
 def results_table(rows: list[TrialRow], sweep: Sweep) -> tuple[list[str], list[list[str]]]:
-    """Ranked: rank, trial, each space key, objective, tokens/s, peak GPU/host memory, losses, wall
-    time (the columns some trial has), status."""
-    from zerolab.compare import format_value
+    """Ranked: rank, run (its label: the values that differ, e.g. ``ZeRO-3 + offload, r=16``), each
+    space key, objective, tokens/s, peak GPU/host memory, utilisation, losses, wall time with
+    start-up and training apart (the columns some trial has), status, trial id."""
+    from zerolab.compare import format_value, run_labels
 
     keys = [d.key for d in sweep.space]
     extra = [(c, m) for c, m in RESULT_COLUMNS if m != sweep.metric and any(r.metrics.get(m) is not None for r in rows)]
-    header = ["rank", "trial", *keys, sweep.metric, *[c for c, _ in extra], "status"]
+    header = ["rank", "run", *keys, sweep.metric, *[c for c, _ in extra], "status", "trial"]
     cells = []
-    for i, r in enumerate(rows, 1):
+    names = run_labels([{k: r.params.get(k) for k in keys} for r in rows], [r.trial_id for r in rows])
+    for i, (r, name) in enumerate(zip(rows, names), 1):
         status = r.status + (f": {r.note}" if r.note else "")
-        cells.append([str(i), r.trial_id, *(str(r.params.get(k, "")) for k in keys), format_value(r.objective),
-                      *(format_value(r.metrics.get(m)) for _, m in extra), status])
+        cells.append([str(i), name, *(str(r.params.get(k, "")) for k in keys), format_value(r.objective),
+                      *(format_value(r.metrics.get(m)) for _, m in extra), status, r.trial_id])
     return header, cells
 
 
@@ -563,7 +567,11 @@ def write_results(rows: list[TrialRow], sweep: Sweep, uri: str, experiment: str,
         run = by_name.get(row.run_name)
         if run is None:
             continue
-        row.metrics.update({k: run.values.get(k) for k in compare.UTILISATION})
+        # The trial's own first-step time and training time (Tune's last result) with its MLflow run's span.
+        if row.metrics.get("perf/first_step_unix"):
+            run.values.update(compare.timing(run.start_unix, run.end_unix, first_step_unix=row.metrics["perf/first_step_unix"],
+                                             training_s=row.metrics.get("perf/wall_s") or run.values.get("training_s")))
+        row.metrics.update({k: run.values.get(k) for k in (*compare.UTILISATION, *compare.TIMING)})
         row.metrics.update({m: run.values[c] for m, c in summarised.items() if run.values.get(c) is not None})
         if row.objective is not None and sweep.metric in summarised and run.values.get(summarised[sweep.metric]) is not None:
             row.objective = run.values[summarised[sweep.metric]]
@@ -575,7 +583,11 @@ def write_results(rows: list[TrialRow], sweep: Sweep, uri: str, experiment: str,
     paths["md"].write_text(compare.markdown(header, cells))
     trained = [r for r in runs if r.loss_curve]  # skipped trials have none
     if trained:
-        compare.plot(trained, out / "runs.png")
+        # Named as in the table: by the space's values that differ between the trials shown.
+        space = {r.run_name: r.params for r in rows}
+        keys = [d.key for d in sweep.space]
+        names = compare.run_labels([{k: space.get(r.name, {}).get(k) for k in keys} for r in trained], [r.name for r in trained])
+        compare.plot(trained, out / "runs.png", names)
         paths["png"] = out / "runs.png"
     for path in paths.values():
         tracking.log_artifact(uri, parent_id, path, "results")
