@@ -29,6 +29,7 @@ only tests use, and would differ from any reload by dropout and by the fused ker
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import subprocess
 import sys
@@ -114,6 +115,8 @@ def case_config(tmp_path: Path, model_path: str, overrides: list[str], num_worke
     values = {"model.name_or_path": model_path, "scaling.use_gpu": str(use_gpu).lower(), "scaling.num_workers": num_workers,
               "data.num_train_rows": 128, "data.num_eval_rows": 16, "train.max_steps": STEPS}
     values.update(o.split("=", 1) for o in overrides)
+    if importlib.util.find_spec("sqlalchemy") is None:  # mlflow-skinny (the GPU hosts): a file store
+        values.update({"tracking.uri": f"file://{tmp_path / 'mlruns'}", "tracking.register": "false"})
     return load_config(None, tiny_overrides(tmp_path, **values))
 
 
