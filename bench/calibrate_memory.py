@@ -89,6 +89,7 @@ class Case:
         return [
             f"model.name_or_path={model}", f"model.gradient_checkpointing={str(self.checkpointing).lower()}",
             f"adapter.method={self.method}", "adapter.r=16", "adapter.alpha=32",
+            *(["adapter.adalora_init_r=24"] if self.method == "adalora" else []),
             f"deepspeed.stage={self.stage}", f"deepspeed.offload_optimizer={str(self.offload != 'none').lower()}",
             f"deepspeed.offload_param={str(self.offload == 'all').lower()}",
             f"scaling.num_workers={self.workers}", f"scaling.use_gpu={str(self.gpu).lower()}",

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import configparser
 import copy
-import dataclasses
 import json
 import re
 import shlex
@@ -24,7 +23,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from conftest import REPO
-from zerolab.config import RunSpec, load_config
+from zerolab.config import load_config
 
 try:
     import tomllib
@@ -679,12 +678,6 @@ def load_job_command(argv: list[str]) -> Any:
     config = option(argv, "--config")
     assert Path(config).is_file(), f"{config} does not exist"
     sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
-    if "max_wall_time_s" not in {f.name for f in dataclasses.fields(RunSpec)}:
-        # run.max_wall_time_s is being added to zerolab's config; until it is there, the manifests'
-        # value is checked for its form here and the config loads without it.
-        walls = [s for s in sets if s.startswith("run.max_wall_time_s=")]
-        assert all(float(s.split("=", 1)[1]) > 0 for s in walls), walls
-        sets = [s for s in sets if s not in walls]
     return load_config(config, sets)
 
 
