@@ -79,6 +79,12 @@ def test_workers_rebuild_the_config_without_touching_the_file_system():
     assert rebuilt.data.train_path == "/nonexistent/train.jsonl"
 
 
+def test_nan_and_inf_are_refused_at_load():
+    found = problems(["train.lr=.nan", "train.max_grad_norm=.inf", "train.warmup_ratio=-.inf", "run.max_wall_time_s=nan"])
+    assert {p.split(":")[0] for p in found} == {"train.lr", "train.max_grad_norm", "train.warmup_ratio", "run.max_wall_time_s"}, found
+    assert all("is not a finite number" in p for p in found), found
+
+
 def test_cpu_only_settings():
     found = problems(["train.precision=fp16", "model.attn_implementation=flash_attention_2"])
     assert {p.split(":")[0] for p in found} == {"train.precision", "model.attn_implementation"}

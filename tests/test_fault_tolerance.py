@@ -247,6 +247,14 @@ def test_bad_data_exits_2_with_file_and_line(tmp_path):
     assert "Traceback" not in proc.stderr + proc.stdout
 
 
+def test_credentials_in_a_data_uri_are_never_printed(tmp_path):
+    proc = subprocess.run(sft_command(tmp_path, **{"data.task": "custom", "data.train_path": "https://user:secretpass@127.0.0.1:9/x.jsonl"}),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "https://***@127.0.0.1:9/x.jsonl: cannot be read" in proc.stderr
+    assert "secretpass" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_bad_environment_messages(ray_cluster, tmp_path, tiny_model_path, monkeypatch):
     with pytest.raises(EnvironmentProblem, match="scaling.use_gpu=true but the Ray cluster has no GPUs"):
         run_sft(load_config(None, tiny_overrides(tmp_path, **{"scaling.use_gpu": "true"})))

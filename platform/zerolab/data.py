@@ -589,7 +589,13 @@ def _tokenize_with_ray_data(files: list[str], model: dict[str, Any], system_prom
     ctx.execution_options.preserve_order = True  # row order, and so the shards, are reproducible
     # Local files exist on this node only: read them here (files on shared storage need no pinning).
     here = None if any("://" in f for f in files) else {"ray.io/node-id": ray.get_runtime_context().get_node_id()}
-    ds = ray.data.read_binary_files(files, include_paths=True, label_selector=here)
+    try:
+        ds = ray.data.read_binary_files(files, include_paths=True, label_selector=here)
+    except OSError as exc:  # FileNotFoundError, permission or connection problems of a remote store
+        from zerolab.tracking import mask_text
+
+        raise DataError(mask_text(f"{', '.join(files)}: cannot be read ({type(exc).__name__}: {exc}); check the path or URI "
+                                  "and that this machine can reach it with its credentials")) from None
     ds = ds.flat_map(parse_file).map_batches(
         tokenize_batch,
         batch_format="pyarrow",
