@@ -195,3 +195,19 @@ def test_the_lock_refuses_a_second_job_and_outlives_no_process(tmp_path):
     with pytest.raises(RunInUse, match="on elsewhere"):
         with folder.locked():
             pass
+
+
+def test_the_start_up_line_names_every_phase_to_the_first_step(caplog):
+    import logging
+
+    from zerolab.run import StartupClock
+
+    clock = StartupClock()
+    clock.launched = 1000.0
+    clock._marks = [("Ray", 1004.0), ("model config and data", 1005.5)]
+    with caplog.at_level(logging.INFO, logger="zerolab"):
+        out = clock.report({"perf/first_step_unix": 1012.0, "perf/wall_s": 30.0})
+    assert out == {"perf/startup_s": 12.0, "perf/first_step_unix": 1012.0, "perf/wall_s": 30.0}
+    assert ("first optimizer step 12.0 s after launch (Ray 4.0 s, model config and data 1.5 s, workers to their first step 6.5 s)"
+            in caplog.text)
+    assert clock.report({}) == {}  # a run stopped before its final report has no first-step time

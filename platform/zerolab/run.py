@@ -80,7 +80,7 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
     Under Ray Tune (``in_tune``, from :mod:`zerolab.tune`) every logged window is reported to the
     trial, and the MLflow run is a child of ``parent_run_id``.
     """
-    launched = time.time()
+    clock = StartupClock()
     cfg = with_run_name(cfg)
     storage = storage_path(cfg)
     folder = RunFolder.of(cfg, storage)
@@ -88,12 +88,16 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
         resume = prepare_run_folder(cfg, storage, restart=restart)
         uri = _store_of(cfg, storage, resume.record)
         tracking.check_store(uri)
+        clock.mark("run folder and MLflow store checks")
         connect_ray(cfg)
         check_resources(cfg)
+        clock.mark("Ray")
         model_path = resolve_model_path(cfg.model.name_or_path)
         resolved_ds = check_against_model(cfg)
         splits, reports = prepare_data(cfg, model_path)
+        clock.mark("model config and data")
         memory = check_memory(cfg, force=force, datasets=splits)
+        clock.mark("memory preflight")
         if resume.checkpoint:
             logger.info("%s %s from %s", "continuing finished run" if resume.extends else "resuming", cfg.run.name, resume.checkpoint)
         warn_if_node_local(uri)
@@ -113,7 +117,8 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
             tracking.MetricsLogger(uri, run_id).log(memory.predicted(), step=0)
             _log_inputs(uri, run_id, cfg, resolved_ds, reports, config_file)
             folder.write_record(record)  # training begins
-            deadline = launched + cfg.run.max_wall_time_s if cfg.run.max_wall_time_s else None
+            clock.mark("MLflow run")
+            deadline = clock.launched + cfg.run.max_wall_time_s if cfg.run.max_wall_time_s else None
             stop = StopSignal(cfg.train.log_every_n_steps)
             with stop.installed():
                 result = stop.fit(build_trainer(cfg, resolved_ds, splits, uri, run_id, stop.flag, in_tune=in_tune, deadline=deadline))
@@ -123,7 +128,7 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
             metrics = dict(result.metrics or {})
             step = int(metrics.get("step", 0))
             record.step, record.checkpoint = step, checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
-            tracking.MetricsLogger(uri, run_id).log(memory.errors(metrics), step=step)
+            tracking.MetricsLogger(uri, run_id).log({**memory.errors(metrics), **clock.report(metrics)}, step=step)
             if metrics.get("stopped"):
                 status, record.status = "KILLED", "stopped"
                 cause = DeadlineReached if metrics["stopped"] == STOPPED_AT_DEADLINE else Interrupted
@@ -154,6 +159,33 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
         finally:
             tracking.close_run(uri, run_id, status)
             _settle_record(folder, record, status)
+
+
+class StartupClock:
+    """The driver's start-up phases, from launch to the workers' first optimizer step: logged as
+    one line and as ``perf/startup_s`` (with the step's time, ``perf/first_step_unix``, and the
+    training time, ``perf/wall_s``) so runs compare their start-up in MLflow."""
+
+    def __init__(self) -> None:
+        self.launched = time.time()
+        self._marks: list[tuple[str, float]] = []
+
+    def mark(self, phase: str) -> None:
+        """The phase that ends now."""
+        self._marks.append((phase, time.time()))
+
+    def report(self, metrics: dict[str, Any]) -> dict[str, float]:
+        first = metrics.get("perf/first_step_unix")
+        if not first:
+            return {}
+        times = [self.launched, *(t for _, t in self._marks), first]
+        phases = [*(name for name, _ in self._marks), "workers to their first step"]
+        parts = ", ".join(f"{name} {end - start:.1f} s" for name, start, end in zip(phases, times, times[1:]))
+        logger.info("start-up: first optimizer step %.1f s after launch (%s)", first - self.launched, parts)
+        out = {"perf/startup_s": first - self.launched, "perf/first_step_unix": first}
+        if "perf/wall_s" in metrics:
+            out["perf/wall_s"] = metrics["perf/wall_s"]
+        return out
 
 
 STOPPED_ON_REQUEST = 1
