@@ -91,3 +91,15 @@ def test_chart_takes_the_sweep_tables_names(tmp_path):
             for i, r in enumerate((4, 8))]
     fig = compare.plot(rows, tmp_path / "runs.png", ["ZeRO-0, r=4", "ZeRO-2, r=8"])
     assert [t.get_text() for t in fig.axes[1].get_yticklabels()] == ["ZeRO-0, r=4", "ZeRO-2, r=8"]
+
+
+def test_stage_and_offload_are_one_definition_for_sweeps_estimates_and_labels():
+    from zerolab.config import load_config
+    from zerolab.zero import SWEEP_OPTIONS, ZERO_KEYS, Option
+
+    assert ZERO_KEYS == ("0", "1", "2", "2+optimizer", "3", "3+optimizer", "3+all")
+    for option in SWEEP_OPTIONS:
+        assert Option.parse(option.key) == option
+        assert Option.of(option.apply(load_config(None, []))) == option  # the config it selects reads back as itself
+        assert compare.stage_label({"deepspeed.zero": option.key}) == option.label == compare.stage_label(
+            {k: str(v) for k, v in option.values().items()})

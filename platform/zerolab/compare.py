@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from zerolab import tracking
+from zerolab.zero import ZERO_KEYS, Option, label_of
 
 KEY_PARAMS = ("adapter.method", "adapter.r", "deepspeed.stage", "deepspeed.offload_optimizer", "deepspeed.offload_param",
               "train.micro_batch_size", "train.grad_accum_steps", "derived.world_size", "train.lr")
@@ -36,14 +37,10 @@ def stage_label(params: dict[str, Any]) -> str:
     """``ZeRO-3 + offload`` (optimizer and parameters), ``ZeRO-2 + optimizer offload``, ``ZeRO-0``: from
     ``deepspeed.zero`` (a sweep's stage+offload key, e.g. ``3+all``) or the stage and offload params."""
     zero = params.get("deepspeed.zero")
-    if zero is not None:
-        stage, _, offload = str(zero).partition("+")
-        optimizer, param = offload in ("optimizer", "all"), offload == "all"
-    else:
-        stage = str(params.get("deepspeed.stage", "?"))
-        optimizer, param = (str(params.get(k, "")).lower() in ("true", "1") for k in STAGE_KEYS[2:])
-    offload = " + offload" if optimizer and param else " + optimizer offload" if optimizer else " + param offload" if param else ""
-    return f"ZeRO-{stage}{offload}"
+    if zero is not None and str(zero) in ZERO_KEYS:
+        return Option.parse(zero).label
+    optimizer, param = (str(params.get(k, "")).lower() in ("true", "1") for k in STAGE_KEYS[2:])
+    return label_of(params.get("deepspeed.stage", "?"), optimizer, param)
 
 
 def _value_text(value: Any) -> str:

@@ -41,13 +41,13 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from zerolab.config import AdapterSpec, ConfigError, SFTConfig, validate
+from zerolab.zero import OffloadMode, Option
 
 KIB, MIB, GIB = 1024, 1024**2, 1024**3
 
-OffloadMode = Literal["none", "optimizer", "all"]
 """What ZeRO offloads to host memory: nothing, the optimizer (states, fp32 master weights and
 gradients), or the optimizer and the parameters (ZeRO-3 only)."""
 
@@ -545,36 +545,6 @@ def parse_size(text: str) -> int:
 
 
 # --- options, estimates, verdicts -------------------------------------------------------------
-
-
-@dataclass(frozen=True, order=True)
-class Option:
-    """A ZeRO stage with an offload mode."""
-
-    stage: int
-    offload: OffloadMode = "none"
-
-    @classmethod
-    def of(cls, cfg: SFTConfig) -> Option:
-        ds = cfg.deepspeed
-        return cls(ds.stage, "all" if ds.offload_param else "optimizer" if ds.offload_optimizer else "none")
-
-    @property
-    def label(self) -> str:
-        extra = {"none": "", "optimizer": " + offload optimizer", "all": " + offload optimizer & params"}[self.offload]
-        return f"ZeRO-{self.stage}{extra}"
-
-    def overrides(self) -> list[str]:
-        """The ``--set`` overrides that select this option."""
-        return [f"deepspeed.stage={self.stage}", f"deepspeed.offload_optimizer={str(self.offload != 'none').lower()}",
-                f"deepspeed.offload_param={str(self.offload == 'all').lower()}"]
-
-    def apply(self, cfg: SFTConfig) -> SFTConfig:
-        """``cfg`` with this option; a custom DeepSpeed JSON is kept only for the option it was written for."""
-        same = Option.of(cfg) == self
-        ds = dataclasses.replace(cfg.deepspeed, stage=self.stage, offload_optimizer=self.offload != "none",
-                                 offload_param=self.offload == "all", config=cfg.deepspeed.config if same else None)
-        return cfg.replace(deepspeed=ds)
 
 
 ALL_OPTIONS = tuple(Option(s, o) for (s, o) in RELATIVE_STEP_TIME if (s, o) != (3, "optimizer"))

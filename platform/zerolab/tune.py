@@ -38,14 +38,12 @@ from ray.tune import Callback
 
 from zerolab import tracking
 from zerolab.config import ConfigError, SFTConfig, apply_overrides
+from zerolab.zero import ZERO_KEYS, Option
 
 logger = logging.getLogger("zerolab.tune")
 
 KINDS = ("grid", "choice", "uniform", "loguniform", "randint")
-ZERO_OPTIONS = {"0": (0, False, False), "1": (1, False, False), "2": (2, False, False), "2+optimizer": (2, True, False),
-                "3": (3, False, False), "3+optimizer": (3, True, False), "3+all": (3, True, True)}
-"""``deepspeed.zero`` values -> (stage, offload_optimizer, offload_param): the combinations DeepSpeed accepts."""
-VIRTUAL_KEYS = {"deepspeed.zero": "ZeRO stage and offload together: " + ", ".join(ZERO_OPTIONS)}
+VIRTUAL_KEYS = {"deepspeed.zero": "ZeRO stage and offload together: " + ", ".join(ZERO_KEYS)}
 SKIPPED = "skipped"
 
 
@@ -198,9 +196,9 @@ def parse_sweep(raw: Any, config_keys: set[str], default_name: str = "sweep") ->
                 continue
         if key == "deepspeed.zero":
             values = [str(v) for v in values]
-            bad = [v for v in values if v not in ZERO_OPTIONS]
+            bad = [v for v in values if str(v) not in ZERO_KEYS]
             if bad:
-                problems.append(f"space.deepspeed.zero: {bad} are not options; choose from {', '.join(ZERO_OPTIONS)}")
+                problems.append(f"space.deepspeed.zero: {bad} are not options; choose from {', '.join(ZERO_KEYS)}")
                 continue
         space.append(Dimension(str(key), kind, tuple(values)))
     keys = [d.key for d in space]
@@ -236,8 +234,7 @@ def trial_config(base: dict[str, Any], sweep: Sweep, params: dict[str, Any], run
     values = {**sweep.overrides, **params}
     zero = values.pop("deepspeed.zero", None)
     if zero is not None:
-        stage, off_opt, off_param = ZERO_OPTIONS[str(zero)]
-        values.update({"deepspeed.stage": stage, "deepspeed.offload_optimizer": off_opt, "deepspeed.offload_param": off_param})
+        values.update(Option.parse(zero).values())
     base_cfg = base_config(base, sweep)
     if "train.micro_batch_size" in params and sweep.batch == "keep_global":
         per_step = base_cfg.train.micro_batch_size * base_cfg.train.grad_accum_steps
