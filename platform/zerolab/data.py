@@ -487,6 +487,27 @@ class PreparedSplit:
         return table if indices is None else table.take(pa.array(indices, type=pa.int64()))
 
 
+def dataset_paths(cfg: SFTConfig) -> dict[str, str]:
+    """The files of each split: the configured ones, or task-generated ones (made once, cached)."""
+    from zerolab.tasks import generate_dataset, get_task
+
+    d = cfg.data
+    task = get_task(d.task)
+    paths: dict[str, str] = {}
+    suffix = task.file_format
+    if d.train_path:
+        paths["train"] = d.train_path
+    else:
+        target = cache_dir() / "data" / f"{d.task}-train-{d.num_train_rows}-seed{d.seed}.{suffix}"
+        paths["train"] = str(target if target.is_file() else generate_dataset(d.task, d.num_train_rows, d.seed, target))
+    if d.eval_path:
+        paths["eval"] = d.eval_path
+    elif not d.train_path and d.num_eval_rows:
+        target = cache_dir() / "data" / f"{d.task}-eval-{d.num_eval_rows}-seed{d.seed + 1}.{suffix}"
+        paths["eval"] = str(target if target.is_file() else generate_dataset(d.task, d.num_eval_rows, d.seed + 1, target))
+    return paths
+
+
 def prepare_split(split: str, path: str, cfg: SFTConfig, model_path: str) -> PreparedSplit:
     """Read, validate and tokenize one split, or take it from the tokenized-data cache.
 

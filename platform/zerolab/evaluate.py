@@ -776,7 +776,7 @@ def default_run_name(target: Target) -> str:
 def evaluate_after_training(cfg: Any, uri: str, run_id: str, tuned_folder: str | Path, *, step: int = 0) -> EvalReport:
     """The ``eval`` section of a training job: evaluate what was just trained (against its base
     with ``eval.compare_base``) on the job's eval split and log it into the training run."""
-    from zerolab.run import dataset_paths
+    from zerolab.data import dataset_paths
 
     e = cfg.eval
     tuned, kind = _find_model_folder(Path(tuned_folder), str(tuned_folder))

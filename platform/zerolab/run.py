@@ -28,10 +28,9 @@ import zerolab
 from zerolab import ds_config, tracking
 from zerolab.checkpoints import RunFolder, RunRecord, location, prepare_run_folder
 from zerolab.config import ConfigError, SFTConfig
-from zerolab.data import DataError, PreparedSplit, SplitReport, prepare_split, quiet_ray_data_logging
+from zerolab.data import DataError, PreparedSplit, SplitReport, dataset_paths, prepare_split, quiet_ray_data_logging
 from zerolab.errors import UserError
-from zerolab.models import cache_dir, linear_module_names, resolve_model_path
-from zerolab.tasks import generate_dataset, get_task
+from zerolab.models import linear_module_names, resolve_model_path
 
 logger = logging.getLogger("zerolab")
 
@@ -606,25 +605,6 @@ def check_against_model(cfg: SFTConfig) -> dict[str, Any]:
     if problems:
         raise ConfigError(problems)
     return resolved
-
-
-def dataset_paths(cfg: SFTConfig) -> dict[str, str]:
-    """The files of each split: the configured ones, or task-generated ones (made once, cached)."""
-    d = cfg.data
-    task = get_task(d.task)
-    paths: dict[str, str] = {}
-    suffix = task.file_format
-    if d.train_path:
-        paths["train"] = d.train_path
-    else:
-        target = cache_dir() / "data" / f"{d.task}-train-{d.num_train_rows}-seed{d.seed}.{suffix}"
-        paths["train"] = str(target if target.is_file() else generate_dataset(d.task, d.num_train_rows, d.seed, target))
-    if d.eval_path:
-        paths["eval"] = d.eval_path
-    elif not d.train_path and d.num_eval_rows:
-        target = cache_dir() / "data" / f"{d.task}-eval-{d.num_eval_rows}-seed{d.seed + 1}.{suffix}"
-        paths["eval"] = str(target if target.is_file() else generate_dataset(d.task, d.num_eval_rows, d.seed + 1, target))
-    return paths
 
 
 def prepare_data(cfg: SFTConfig, model_path: str) -> tuple[dict[str, PreparedSplit], dict[str, SplitReport]]:
