@@ -276,10 +276,15 @@ def tokenize_messages(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[l
     Each prompt span is the text ``apply_chat_template(..., add_generation_prompt=True)`` renders,
     tokenized as one piece exactly as at inference; each answer span is tokenized on its own.
     """
-    ids: list[int] = []
-    labels: list[int] = []
+    spans = chat_spans(tokenizer, messages)
+    return join_spans([tokenizer(span, add_special_tokens=False)["input_ids"] for span in spans], tokenizer.eos_token_id)
+
+
+def chat_spans(tokenizer: Any, messages: list[dict[str, str]]) -> list[str]:
+    """The conversation as the chat template renders it, cut into (prompt, answer) text pairs, one
+    per assistant turn: what comes before the turn's answer, then the answer with its end of turn."""
+    spans: list[str] = []
     done = ""
-    eos = tokenizer.eos_token_id
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -287,15 +292,20 @@ def tokenize_messages(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[l
         full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
         if not prompt.startswith(done) or not full.startswith(prompt):
             raise RowError("template: the chat template does not render turns as prefixes of each other")
-        span = tokenizer(prompt[len(done):], add_special_tokens=False)["input_ids"]
-        ids += span
-        labels += [IGNORE_INDEX] * len(span)
-        answer = tokenizer(full[len(prompt):], add_special_tokens=False)["input_ids"]
-        # Train through the end-of-turn token, not on the template's text after it.
-        cut = answer.index(eos) + 1 if eos in answer else len(answer)
-        ids += answer
-        labels += answer[:cut] + [IGNORE_INDEX] * (len(answer) - cut)
+        spans += [prompt[len(done):], full[len(prompt):]]
         done = full
+    return spans
+
+
+def join_spans(encoded: list[list[int]], eos: int | None) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) from the token ids of ``chat_spans``' pairs: prompts masked, answers
+    trained through the end-of-turn token, not on the template's text after it."""
+    ids: list[int] = []
+    labels: list[int] = []
+    for prompt_ids, answer in zip(encoded[::2], encoded[1::2]):
+        cut = answer.index(eos) + 1 if eos in answer else len(answer)
+        ids += prompt_ids + answer
+        labels += [IGNORE_INDEX] * len(prompt_ids) + answer[:cut] + [IGNORE_INDEX] * (len(answer) - cut)
     return ids, labels
 
 
@@ -310,26 +320,14 @@ def tokenize_rows(tokenizer: Any, records: list[str | None], errors: list[str | 
     spans: list[str] = []
     where: list[tuple[int, int] | None] = []  # per row: its first span and number of spans
     errors = list(errors)
-    eos = tokenizer.eos_token_id
     for r, (text, error) in enumerate(zip(records, errors)):
         if error is not None:
             where.append(None)
             continue
         try:
-            messages = row_to_messages(json.loads(text), system_prompt)
-            first = len(spans)
-            done = ""
-            for i, message in enumerate(messages):
-                if message["role"] != "assistant":
-                    continue
-                prompt = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-                full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
-                if not prompt.startswith(done) or not full.startswith(prompt):
-                    del spans[first:]
-                    raise RowError("template: the chat template does not render turns as prefixes of each other")
-                spans += [prompt[len(done):], full[len(prompt):]]
-                done = full
-            where.append((first, len(spans) - first))
+            row_spans = chat_spans(tokenizer, row_to_messages(json.loads(text), system_prompt))
+            where.append((len(spans), len(row_spans)))
+            spans += row_spans
         except RowError as exc:
             errors[r] = str(exc)
             where.append(None)
@@ -346,12 +344,7 @@ def tokenize_rows(tokenizer: Any, records: list[str | None], errors: list[str | 
         labels: list[int] = []
         if span is not None:
             first, count = span
-            for j in range(first, first + count, 2):
-                prompt_ids, answer = encoded[j], encoded[j + 1]
-                # Train through the end-of-turn token, not on the template's text after it.
-                cut = answer.index(eos) + 1 if eos in answer else len(answer)
-                ids += prompt_ids + answer
-                labels += [IGNORE_INDEX] * len(prompt_ids) + answer[:cut] + [IGNORE_INDEX] * (len(answer) - cut)
+            ids, labels = join_spans(encoded[first : first + count], tokenizer.eos_token_id)
             if len(ids) > max_seq_length:
                 errors[r] = f"too long: {len(ids)} tokens > data.max_seq_length={max_seq_length}"
             elif labels.count(IGNORE_INDEX) == len(labels):
