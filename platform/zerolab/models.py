@@ -15,6 +15,7 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -213,13 +214,17 @@ def load_model(spec: ModelSpec, dtype: torch.dtype) -> PreTrainedModel:
     return model
 
 
-def linear_module_names(spec: ModelSpec) -> set[str]:
-    """Names (last path component) of the model's nn.Linear modules, from its config on the meta device."""
-    path = resolve_model_path(spec.name_or_path)
-    try:
-        config = AutoConfig.from_pretrained(path, revision=spec.revision, trust_remote_code=spec.trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(_load_failure(spec.name_or_path, "model config", exc)) from exc
+def linear_module_names(spec: ModelSpec, config: Any = None) -> set[str]:
+    """Names (last path component) of the model's nn.Linear modules, built on the meta device from
+    ``config`` (a transformers config, or a dict of one) when given, else from the model's own."""
+    if config is None:
+        try:
+            config = AutoConfig.from_pretrained(resolve_model_path(spec.name_or_path), revision=spec.revision,
+                                                trust_remote_code=spec.trust_remote_code)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(_load_failure(spec.name_or_path, "model config", exc)) from exc
+    elif isinstance(config, dict):
+        config = AutoConfig.for_model(**config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=spec.trust_remote_code)
     return {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}

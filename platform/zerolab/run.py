@@ -30,6 +30,7 @@ from zerolab.checkpoints import RunFolder, RunRecord, location, prepare_run_fold
 from zerolab.config import ConfigError, SFTConfig
 from zerolab.data import DataError, PreparedSplit, SplitReport, dataset_paths, prepare_split, quiet_ray_data_logging
 from zerolab.errors import UserError
+from zerolab.memory import load_model_config
 from zerolab.models import linear_module_names, resolve_model_path
 
 logger = logging.getLogger("zerolab")
@@ -91,11 +92,13 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
         connect_ray(cfg)
         check_resources(cfg)
         clock.mark("Ray")
+        # The model's path and config are resolved once here; the checks and the estimate read them.
         model_path = resolve_model_path(cfg.model.name_or_path)
-        resolved_ds = check_against_model(cfg)
+        model_config = load_model_config(cfg)
+        resolved_ds = check_against_model(cfg, model_config)
         splits, reports = prepare_data(cfg, model_path)
         clock.mark("model config and data")
-        memory = check_memory(cfg, force=force, datasets=splits)
+        memory = check_memory(cfg, model_config, force=force, datasets=splits)
         clock.mark("memory preflight")
         if resume.checkpoint:
             logger.info("%s %s from %s", "continuing finished run" if resume.extends else "resuming", cfg.run.name, resume.checkpoint)
@@ -507,7 +510,7 @@ class MemoryCheck:
         return out
 
 
-def check_memory(cfg: SFTConfig, *, force: bool = False, datasets: dict[str, Any] | None = None) -> MemoryCheck:
+def check_memory(cfg: SFTConfig, model_config: Any, *, force: bool = False, datasets: dict[str, Any] | None = None) -> MemoryCheck:
     """Estimate the job's memory per GPU and per node and refuse it when it cannot fit the nodes it
     would run on (raises MemoryPreflightError, which names the options that would fit). With the
     prepared ``datasets`` the estimate takes the largest micro-batch the workers' shards will make
@@ -516,7 +519,6 @@ def check_memory(cfg: SFTConfig, *, force: bool = False, datasets: dict[str, Any
     from zerolab import memory
 
     try:
-        model_config = memory.load_model_config(cfg)
         limits = cluster_limits(cfg)
         data = shard_lengths(datasets, cfg.world_size()) if datasets else None
         try:
@@ -581,13 +583,11 @@ def cluster_limits(cfg: SFTConfig) -> Any:
                   source=f"detected on {len(found)} Ray node(s)")
 
 
-def check_against_model(cfg: SFTConfig) -> dict[str, Any]:
-    """Checks that need the model's architecture; returns the resolved DeepSpeed config.
-    Problems from both are reported together."""
-    from transformers import AutoConfig
-
+def check_against_model(cfg: SFTConfig, model_config: Any) -> dict[str, Any]:
+    """Checks that need the model's architecture (``model_config``, see ``zerolab.memory.load_model_config``);
+    returns the resolved DeepSpeed config. Problems from both are reported together."""
     problems: list[str] = []
-    linear = linear_module_names(cfg.model)
+    linear = linear_module_names(cfg.model, model_config)
     if cfg.adapter.is_peft() and list(cfg.adapter.target_modules) != ["all-linear"]:
         missing = [m for m in cfg.adapter.target_modules if m not in linear]
         if missing:
@@ -595,11 +595,10 @@ def check_against_model(cfg: SFTConfig) -> dict[str, Any]:
                 f"adapter.target_modules: {missing} are not linear modules of {cfg.model.name_or_path}; "
                 f"choose from {sorted(linear)} or use [all-linear]"
             )
-    model_config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.name_or_path), revision=cfg.model.revision,
-                                              trust_remote_code=cfg.model.trust_remote_code)
+    hidden = model_config.get("hidden_size") if isinstance(model_config, dict) else getattr(model_config, "hidden_size", None)
     resolved: dict[str, Any] = {}
     try:
-        resolved = ds_config.resolve(cfg, getattr(model_config, "hidden_size", 1024))
+        resolved = ds_config.resolve(cfg, hidden or 1024)
     except ConfigError as exc:
         problems.extend(exc.problems)
     if problems:
