@@ -752,17 +752,13 @@ def log_eval_run(report: EvalReport, target: Target, uri: str, *, experiment: st
     tags = {"zerolab.kind": "eval", "task": report.task, "model": str(target.base)}
     if target.run_id:
         tags["zerolab.source_run_id"] = target.run_id
-    run_id, _ = tracking.open_run(uri, experiment, run_name, tags=tags, new=True)
-    status = "FAILED"
-    try:
+    with tracking.tracked_run(uri, experiment, run_name, tags=tags, new=True) as run:
         params = {f"eval.{k}": v for k, v in report.options.items()}
         params.update({"eval.base_model": target.base, "eval.tuned": target.source, "eval.num_prompts": len(report.examples)})
-        tracking.log_params(uri, run_id, params)
-        log_report(report, uri, run_id)
-        status = "FINISHED"
-    finally:
-        tracking.close_run(uri, run_id, status)
-    return run_id
+        run.log_params(params)
+        log_report(report, uri, run.run_id)
+        run.status = "FINISHED"
+    return run.run_id
 
 
 def default_run_name(target: Target) -> str:

@@ -107,60 +107,65 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
         tags = {**run_tags(cfg, commit), tracking.RUN_FOLDER_TAG: tracking.mask_text(folder.uri),
                 **({"mlflow.parentRunId": parent_run_id} if parent_run_id else {})}
         recorded_id = resume.record.run_id if resume.record and resume.record.tracking_uri == tracking.mask_text(uri) else None
-        run_id, resumed = tracking.open_run(uri, cfg.tracking.experiment, cfg.run.name, tags=tags, new=restart, run_id=recorded_id)
-        logger.info("MLflow run %s (%s) in experiment '%s' at %s", run_id, "resumed" if resumed else "new", cfg.tracking.experiment,
-                    tracking.mask_text(uri))
-        record = RunRecord(config=tracking.mask_params(cfg.flat()), tracking_uri=tracking.mask_text(uri),
-                           experiment=cfg.tracking.experiment, run_id=run_id,
-                           **({"started_at": resume.record.started_at} if resume.record else {}))
-        status = "FAILED"
-        try:
-            tracking.log_params(uri, run_id, tracking.mask_params({**cfg.flat(), **derived_params(cfg, reports, commit), **memory.params()}))
-            tracking.MetricsLogger(uri, run_id).log(memory.predicted(), step=0)
-            _log_inputs(uri, run_id, cfg, resolved_ds, reports, config_file)
-            folder.write_record(record)  # training begins
-            clock.mark("MLflow run")
-            deadline = clock.launched + cfg.run.max_wall_time_s if cfg.run.max_wall_time_s else None
-            stop = StopSignal(cfg.train.log_every_n_steps)
-            with stop.installed():
-                result = stop.fit(build_trainer(cfg, resolved_ds, splits, uri, run_id, stop.flag, in_tune=in_tune, deadline=deadline))
-            checkpoint = result.checkpoint
-            assert checkpoint is not None, "the run finished without a final checkpoint"
-            checkpoint_uri = location(checkpoint.filesystem, checkpoint.path)
-            metrics = dict(result.metrics or {})
-            step = int(metrics.get("step", 0))
-            record.step, record.checkpoint = step, checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
-            tracking.MetricsLogger(uri, run_id).log({**memory.errors(metrics), **clock.report(metrics)}, step=step)
-            if metrics.get("stopped"):
-                status, record.status = "KILLED", "stopped"
-                cause = DeadlineReached if metrics["stopped"] == STOPPED_AT_DEADLINE else Interrupted
-                why = f"run.max_wall_time_s={cfg.run.max_wall_time_s:g} reached" if cause is DeadlineReached else "stopped on request"
-                raise cause(f"{why} at step {step}; checkpoint saved at {checkpoint_uri}. Resume the run with run.name={cfg.run.name}.",
-                            run_name=cfg.run.name)
-            with checkpoint.as_directory() as ckpt:
-                tracking.log_artifact(uri, run_id, Path(ckpt) / "adapter", "adapter")
-            if cfg.tracking.register:
-                name = cfg.tracking.registered_model or cfg.run.name
-                version = tracking.register_model(uri, run_id, "adapter", name, cfg.tracking.model_alias or None, step,
-                                                  tags={"run_name": cfg.run.name, **_final_metric_tags(metrics)})
-                alias = f"@{cfg.tracking.model_alias}" if cfg.tracking.model_alias else f"/{version}"
-                record.registered = f"models:/{name}/{version}"
-                logger.info("registered as %s version %s (models:/%s%s)", name, version, name, alias)
-            if cfg.eval.enabled:
-                from zerolab.evaluate import evaluate_after_training
+        with tracking.tracked_run(uri, cfg.tracking.experiment, cfg.run.name, tags=tags, new=restart, run_id=recorded_id) as run:
+            logger.info("MLflow run %s (%s) in experiment '%s' at %s", run.run_id, "resumed" if run.resumed else "new",
+                        cfg.tracking.experiment, tracking.mask_text(uri))
+            record = RunRecord(config=tracking.mask_params(cfg.flat()), tracking_uri=tracking.mask_text(uri),
+                               experiment=cfg.tracking.experiment, run_id=run.run_id,
+                               **({"started_at": resume.record.started_at} if resume.record else {}))
+            try:
+                return _train(cfg, run, record, folder, clock, resolved_ds, splits, reports, memory, commit, config_file, in_tune)
+            except KeyboardInterrupt:
+                run.status, record.status = "KILLED", "stopped"
+                raise
+            finally:
+                _settle_record(folder, record, run.status)
 
-                with checkpoint.as_directory() as ckpt:
-                    evaluate_after_training(cfg, uri, run_id, Path(ckpt) / "adapter", step=step)
-            status, record.status = "FINISHED", "finished"
-            adapter = f"{checkpoint_uri.rstrip('/')}/adapter"
-            return RunResult(run_id=run_id, run_name=cfg.run.name, tracking_uri=uri, checkpoint_path=checkpoint_uri,
-                             adapter_path=adapter, metrics=metrics, data={k: r.to_dict() for k, r in reports.items()})
-        except KeyboardInterrupt:
-            status, record.status = "KILLED", "stopped"
-            raise
-        finally:
-            tracking.close_run(uri, run_id, status)
-            _settle_record(folder, record, status)
+
+def _train(cfg: SFTConfig, run: tracking.TrackedRun, record: RunRecord, folder: RunFolder, clock: StartupClock,
+           resolved_ds: dict[str, Any], splits: dict[str, PreparedSplit], reports: dict[str, SplitReport], memory: MemoryCheck,
+           commit: str | None, config_file: str | Path | None, in_tune: bool) -> RunResult:
+    """Record the job's inputs, run the trainer, and record its outcome into ``run`` and ``record``."""
+    run.log_params(tracking.mask_params({**cfg.flat(), **derived_params(cfg, reports, commit), **memory.params()}))
+    run.log_metrics(memory.predicted(), step=0)
+    _log_inputs(run, cfg, resolved_ds, reports, config_file)
+    folder.write_record(record)  # training begins
+    clock.mark("MLflow run")
+    deadline = clock.launched + cfg.run.max_wall_time_s if cfg.run.max_wall_time_s else None
+    stop = StopSignal(cfg.train.log_every_n_steps)
+    with stop.installed():
+        result = stop.fit(build_trainer(cfg, resolved_ds, splits, run.uri, run.run_id, stop.flag, in_tune=in_tune, deadline=deadline))
+    checkpoint = result.checkpoint
+    assert checkpoint is not None, "the run finished without a final checkpoint"
+    checkpoint_uri = location(checkpoint.filesystem, checkpoint.path)
+    metrics = dict(result.metrics or {})
+    step = int(metrics.get("step", 0))
+    record.step, record.checkpoint = step, checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
+    run.log_metrics({**memory.errors(metrics), **clock.report(metrics)}, step=step)
+    if metrics.get("stopped"):
+        run.status, record.status = "KILLED", "stopped"
+        cause = DeadlineReached if metrics["stopped"] == STOPPED_AT_DEADLINE else Interrupted
+        why = f"run.max_wall_time_s={cfg.run.max_wall_time_s:g} reached" if cause is DeadlineReached else "stopped on request"
+        raise cause(f"{why} at step {step}; checkpoint saved at {checkpoint_uri}. Resume the run with run.name={cfg.run.name}.",
+                    run_name=cfg.run.name)
+    with checkpoint.as_directory() as ckpt:
+        run.log_artifact(Path(ckpt) / "adapter", "adapter")
+    if cfg.tracking.register:
+        name = cfg.tracking.registered_model or cfg.run.name
+        version = tracking.register_model(run.uri, run.run_id, "adapter", name, cfg.tracking.model_alias or None, step,
+                                          tags={"run_name": cfg.run.name, **_final_metric_tags(metrics)})
+        alias = f"@{cfg.tracking.model_alias}" if cfg.tracking.model_alias else f"/{version}"
+        record.registered = f"models:/{name}/{version}"
+        logger.info("registered as %s version %s (models:/%s%s)", name, version, name, alias)
+    if cfg.eval.enabled:
+        from zerolab.evaluate import evaluate_after_training
+
+        with checkpoint.as_directory() as ckpt:
+            evaluate_after_training(cfg, run.uri, run.run_id, Path(ckpt) / "adapter", step=step)
+    run.status, record.status = "FINISHED", "finished"
+    adapter = f"{checkpoint_uri.rstrip('/')}/adapter"
+    return RunResult(run_id=run.run_id, run_name=cfg.run.name, tracking_uri=run.uri, checkpoint_path=checkpoint_uri,
+                     adapter_path=adapter, metrics=metrics, data={k: r.to_dict() for k, r in reports.items()})
 
 
 class StartupClock:
@@ -663,7 +668,7 @@ def derived_params(cfg: SFTConfig, reports: dict[str, SplitReport], commit: str 
     return params
 
 
-def _log_inputs(uri: str, run_id: str, cfg: SFTConfig, resolved_ds: dict[str, Any], reports: dict[str, SplitReport],
+def _log_inputs(run: tracking.TrackedRun, cfg: SFTConfig, resolved_ds: dict[str, Any], reports: dict[str, SplitReport],
                 config_file: str | Path | None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -673,7 +678,7 @@ def _log_inputs(uri: str, run_id: str, cfg: SFTConfig, resolved_ds: dict[str, An
         (folder / "data_report.json").write_text(json.dumps({k: r.to_dict() for k, r in reports.items()}, indent=2, ensure_ascii=False))
         if config_file is not None:
             (folder / "job.yaml").write_text(tracking.mask_yaml(Path(config_file).read_text(encoding="utf-8")), encoding="utf-8")
-        tracking.log_artifact(uri, run_id, folder, "config")
+        run.log_artifact(folder, "config")
 
 
 def build_trainer(cfg: SFTConfig, resolved_ds: dict[str, Any], datasets: dict[str, PreparedSplit], uri: str | None, run_id: str | None,

@@ -13,6 +13,7 @@ import re
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +171,43 @@ def _artifact_location(uri: str) -> str | None:
     if not uri.startswith("sqlite:///"):
         return None
     return (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
+
+
+@dataclass
+class TrackedRun:
+    """An open MLflow run: where it is, whether it was resumed, and the status it will end with
+    (``FAILED`` unless the body that uses it says otherwise)."""
+
+    uri: str
+    run_id: str
+    resumed: bool
+    status: str = "FAILED"
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        log_params(self.uri, self.run_id, params)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        MetricsLogger(self.uri, self.run_id).log(metrics, step=step)
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        log_artifact(self.uri, self.run_id, path, artifact_path)
+
+
+@contextlib.contextmanager
+def tracked_run(uri: str, experiment: str, run_name: str, *, tags: dict[str, str] | None = None, new: bool = False,
+                run_id: str | None = None) -> Iterator[TrackedRun]:
+    """Open (or resume, see :func:`open_run`) a run and close it however the body ends: with the
+    status the body set on it, ``KILLED`` on an interrupt, ``FAILED`` on an error. Every job's MLflow
+    run (training, sweep, trial, evaluation) goes through here."""
+    found, resumed = open_run(uri, experiment, run_name, tags=tags, new=new, run_id=run_id)
+    run = TrackedRun(uri, found, resumed)
+    try:
+        yield run
+    except KeyboardInterrupt:
+        run.status = "KILLED"
+        raise
+    finally:
+        close_run(uri, found, run.status)
 
 
 def close_run(uri: str, run_id: str, status: str) -> None:

@@ -327,9 +327,9 @@ def trial_function(config: dict[str, Any], *, base: dict[str, Any], sweep: Sweep
         ray.tune.report({**final, "step": exc.record.step or 0})
     except memory.MemoryPreflightError as exc:
         reason = str(exc).splitlines()[0]
-        run_id, _ = tracking.open_run(uri, cfg.tracking.experiment, cfg.run.name,
-                                      tags={"mlflow.parentRunId": parent_run_id, "zerolab.skipped": reason[:5000]})
-        tracking.close_run(uri, run_id, "KILLED")
+        with tracking.tracked_run(uri, cfg.tracking.experiment, cfg.run.name,
+                                  tags={"mlflow.parentRunId": parent_run_id, "zerolab.skipped": reason[:5000]}) as skipped:
+            skipped.status = "KILLED"
         ray.tune.report({SKIPPED: 1, "reason": reason})
 
 
@@ -345,56 +345,52 @@ def run_sweep(base: dict[str, Any], sweep: Sweep, *, resume: bool = False, out_d
     base_cfg = base_config(base, sweep)
     connect_ray(base_cfg, log_to_driver=False)
     uri = tracking.tracking_uri(base_cfg.tracking.uri, base_cfg.run.storage_path)
-    parent_id, resumed = tracking.open_run(uri, base_cfg.tracking.experiment, sweep.name, tags={"zerolab.sweep": sweep.name})
-    logger.info("sweep %s: MLflow parent run %s (%s); %s search over %s", sweep.name, parent_id,
-                "resumed" if resumed else "new", sweep.search, ", ".join(d.key for d in sweep.space))
-    if sweep.search == "grid":
-        _announce_skips(base, sweep, points)
-    concurrent = sweep.max_concurrent_trials or max_concurrent(base_cfg)
-    trainable = tune.with_resources(
-        tune.with_parameters(trial_function, base=base, sweep=sweep, parent_run_id=parent_id, uri=uri),
-        # The trial only drives Ray Train; its workers reserve the CPUs/GPUs. Tune needs a non-empty
-        # request, and a byte of memory takes nothing the workers need.
-        {"memory": 1})
-    status = "FAILED"
     try:
-        tracking.log_params(uri, parent_id, {"sweep.search": sweep.search, "sweep.metric": sweep.metric, "sweep.mode": sweep.mode,
-                                             "sweep.scheduler": sweep.scheduler, "sweep.max_concurrent_trials": concurrent,
-                                             **{f"sweep.space.{d.key}": f"{d.kind} {list(d.values)}" for d in sweep.space}})
-        _log_yaml(uri, parent_id, "search_space.yaml", _sweep_dict(sweep))
-        experiment_path = sweep_path(base_cfg, sweep)
-        if resume:
-            if not Tuner.can_restore(experiment_path):
-                raise SweepError([f"--resume {sweep.name}: no sweep to resume at {experiment_path}; start it without --resume"])
-            tuner = Tuner.restore(experiment_path, trainable=trainable, resume_errored=False, restart_errored=False)
-        else:
-            save_definition(experiment_path, base, sweep)
-            tuner = Tuner(
-                trainable,
-                param_space={d.key: d.tune_domain() for d in sweep.space},
-                tune_config=TuneConfig(
-                    num_samples=sweep.num_samples, max_concurrent_trials=concurrent, search_alg=_searcher(sweep),
-                    scheduler=_scheduler(sweep, base_cfg),
-                    trial_name_creator=lambda t: f"{sweep.name}-{t.trial_id}", trial_dirname_creator=lambda t: t.trial_id,
-                ),
-                run_config=TuneRunConfig(name=sweep.name, storage_path=experiment_path.rsplit("/", 1)[0], verbose=0, callbacks=[OneLinePerTrial(sweep)]),
-            )
-        grid = tuner.fit()
-        rows = _rows(grid, sweep)
-        _finish_children(uri, base_cfg.tracking.experiment, rows)
-        write_results(rows, sweep, uri, base_cfg.tracking.experiment, parent_id, results_dir(sweep, out_dir))
-        best = next((r for r in rows if r.status == "FINISHED" and r.objective is not None), None)
-        if best is not None:
-            _log_yaml(uri, parent_id, "best_config.yaml", trial_config(base, sweep, best.params, best.run_name).to_dict())
-            tracking.log_params(uri, parent_id, {"sweep.best_trial": best.trial_id})
-            tracking.MetricsLogger(uri, parent_id).log({f"best/{sweep.metric}": best.objective}, step=0)
-        status = "FINISHED"
-        return rows
-    except KeyboardInterrupt:
-        status = "KILLED"
-        raise
+        with tracking.tracked_run(uri, base_cfg.tracking.experiment, sweep.name, tags={"zerolab.sweep": sweep.name}) as parent:
+            parent_id = parent.run_id
+            logger.info("sweep %s: MLflow parent run %s (%s); %s search over %s", sweep.name, parent_id,
+                        "resumed" if parent.resumed else "new", sweep.search, ", ".join(d.key for d in sweep.space))
+            if sweep.search == "grid":
+                _announce_skips(base, sweep, points)
+            concurrent = sweep.max_concurrent_trials or max_concurrent(base_cfg)
+            trainable = tune.with_resources(
+                tune.with_parameters(trial_function, base=base, sweep=sweep, parent_run_id=parent_id, uri=uri),
+                # The trial only drives Ray Train; its workers reserve the CPUs/GPUs. Tune needs a non-empty
+                # request, and a byte of memory takes nothing the workers need.
+                {"memory": 1})
+            parent.log_params({"sweep.search": sweep.search, "sweep.metric": sweep.metric, "sweep.mode": sweep.mode,
+                               "sweep.scheduler": sweep.scheduler, "sweep.max_concurrent_trials": concurrent,
+                               **{f"sweep.space.{d.key}": f"{d.kind} {list(d.values)}" for d in sweep.space}})
+            _log_yaml(uri, parent_id, "search_space.yaml", _sweep_dict(sweep))
+            experiment_path = sweep_path(base_cfg, sweep)
+            if resume:
+                if not Tuner.can_restore(experiment_path):
+                    raise SweepError([f"--resume {sweep.name}: no sweep to resume at {experiment_path}; start it without --resume"])
+                tuner = Tuner.restore(experiment_path, trainable=trainable, resume_errored=False, restart_errored=False)
+            else:
+                save_definition(experiment_path, base, sweep)
+                tuner = Tuner(
+                    trainable,
+                    param_space={d.key: d.tune_domain() for d in sweep.space},
+                    tune_config=TuneConfig(
+                        num_samples=sweep.num_samples, max_concurrent_trials=concurrent, search_alg=_searcher(sweep),
+                        scheduler=_scheduler(sweep, base_cfg),
+                        trial_name_creator=lambda t: f"{sweep.name}-{t.trial_id}", trial_dirname_creator=lambda t: t.trial_id,
+                    ),
+                    run_config=TuneRunConfig(name=sweep.name, storage_path=experiment_path.rsplit("/", 1)[0], verbose=0, callbacks=[OneLinePerTrial(sweep)]),
+                )
+            grid = tuner.fit()
+            rows = _rows(grid, sweep)
+            _finish_children(uri, base_cfg.tracking.experiment, rows)
+            write_results(rows, sweep, uri, base_cfg.tracking.experiment, parent_id, results_dir(sweep, out_dir))
+            best = next((r for r in rows if r.status == "FINISHED" and r.objective is not None), None)
+            if best is not None:
+                _log_yaml(uri, parent_id, "best_config.yaml", trial_config(base, sweep, best.params, best.run_name).to_dict())
+                parent.log_params({"sweep.best_trial": best.trial_id})
+                parent.log_metrics({f"best/{sweep.metric}": best.objective}, step=0)
+            parent.status = "FINISHED"
+            return rows
     finally:
-        tracking.close_run(uri, parent_id, status)
         shutdown_ray()
 
 
