@@ -26,6 +26,7 @@ import yaml
 
 import zerolab
 from zerolab import ds_config, tracking
+from zerolab.cadence import STOPPED_AT_DEADLINE
 from zerolab.checkpoints import RunFolder, RunRecord, location, prepare_run_folder
 from zerolab.config import ConfigError, SFTConfig
 from zerolab.data import DataError, PreparedSplit, SplitReport, dataset_paths, prepare_split, quiet_ray_data_logging
@@ -193,11 +194,6 @@ class StartupClock:
         if "perf/wall_s" in metrics:
             out["perf/wall_s"] = metrics["perf/wall_s"]
         return out
-
-
-STOPPED_ON_REQUEST = 1
-STOPPED_AT_DEADLINE = 2
-"""Values of the ``stopped`` metric a stopped run reports."""
 
 
 def with_run_name(cfg: SFTConfig) -> SFTConfig:

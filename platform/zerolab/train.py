@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from zerolab import adapters, kernels, perf
 from zerolab.batches import Batch, MicroBatches
+from zerolab.cadence import STOPPED_AT_DEADLINE, Cadence
 from zerolab.config import SFTConfig
 from zerolab.data import load_shard, quiet_ray_data_logging
 from zerolab.models import load_model, load_tokenizer
@@ -94,20 +95,20 @@ def train_loop_per_worker(config: dict) -> None:
     tracker = None
     flops_per_token = perf.train_flops_per_token(total, trainable, cfg.adapter.method == "full")
     peak_flops = perf.peak_flops(device) * world
-    stop_flag, deadline = config.get("stop_flag"), config.get("deadline_unix")
-    # Sum of step losses, non-padding tokens, and rank 0's stop code (all-reduced together):
-    # 1 stop requested by the driver, 2 the next window would end past run.max_wall_time_s.
+    stop_flag = config.get("stop_flag")
+    cadence = Cadence(total_steps=total_steps, log_every=cfg.train.log_every_n_steps, checkpoint_every=cfg.train.checkpoint_every_n_steps,
+                      report_every_log=bool(config.get("report_every_log")), deadline_unix=config.get("deadline_unix"))
+    # Sum of step losses, non-padding tokens, and rank 0's stop code (all-reduced together).
     window = torch.zeros(3, dtype=torch.float64, device=device)
     window_steps, window_start = 0, time.perf_counter()
     run_start = window_start
-    log_every, ckpt_every = cfg.train.log_every_n_steps, cfg.train.checkpoint_every_n_steps
     metrics: dict[str, float] = {}
 
     with contextlib.ExitStack() as after_first_step:
         engine.train()
         for step in range(start_step, total_steps):
             micro: list[Batch] = [next(stream) for _ in range(cfg.train.grad_accum_steps)]
-            loss, grad_norm = optimizer_step(engine, micro, device, want_grad_norm=(step + 1) % log_every == 0)
+            loss, grad_norm = optimizer_step(engine, micro, device, want_grad_norm=cadence.logs(step + 1))
             if step == start_step:
                 # MLflow's set-up (client, metric history, system-metrics thread) takes seconds; done
                 # here it keeps off the way to the first step (the GPU works through the queued step meanwhile).
@@ -122,14 +123,11 @@ def train_loop_per_worker(config: dict) -> None:
 
             done = step + 1
             stop = 0
-            if done % log_every == 0 or done == total_steps:
+            if cadence.logs(done):
                 elapsed = time.perf_counter() - window_start
-                # The driver's stop request and the deadline are read here, where the loop synchronises anyway.
                 if rank == 0:
-                    if deadline is not None and time.time() + elapsed >= deadline:
-                        window[2] = 2
-                    elif stop_flag is not None and ray.get(stop_flag.get.remote()):
-                        window[2] = 1
+                    window[2] = cadence.stop_code(now=time.time(), window_s=elapsed,
+                                                  requested=lambda: stop_flag is not None and ray.get(stop_flag.get.remote()))
                 dist.all_reduce(window)
                 stop = int(window[2].item())
                 metrics = {
@@ -153,11 +151,9 @@ def train_loop_per_worker(config: dict) -> None:
                 window.zero_()
                 window_steps, window_start = 0, time.perf_counter()
 
-            checkpointing = stop or done == total_steps or (ckpt_every and done % ckpt_every == 0)
-            if config.get("report_every_log") and metrics and not checkpointing and done % log_every == 0:
-                # Under Tune: every logged window reaches the scheduler (ASHA), not only checkpoints.
+            if cadence.reports_window(done, stop) and metrics:
                 ray.train.report({"step": done, **metrics})
-            if checkpointing:
+            if cadence.checkpoints(done, stop):
                 final = done == total_steps
                 report = {"step": done, **metrics, **({"stopped": stop} if stop and not final else {})}
                 if final:
@@ -170,7 +166,8 @@ def train_loop_per_worker(config: dict) -> None:
                         tracker.log({"eval/loss": report["eval/loss"]}, step=done)
                 _save_and_report(engine, cfg, tokenizer, done, report, final=final)
                 if stop and not final:
-                    log_rank0("stopped %s after step %d; relaunch to resume", "at the wall-time limit" if stop == 2 else "on request", done)
+                    log_rank0("stopped %s after step %d; relaunch to resume",
+                              "at the wall-time limit" if stop == STOPPED_AT_DEADLINE else "on request", done)
                     return
 
 
