@@ -9,7 +9,7 @@ and Markdown.
     python jobs/compare.py --experiment zerolab --out reports/today --tracking-uri http://127.0.0.1:5000
 
 Reads the same store the jobs write (``--tracking-uri``, else $MLFLOW_TRACKING_URI, else
-./mlflow.db). Exit code 2 when the experiment or parent run does not exist.
+~/zerolab_runs/mlflow.db). Exit code 2 when the experiment or parent run does not exist.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--experiment", default="zerolab", help="MLflow experiment (default: zerolab)")
     parser.add_argument("--parent", help="only the child runs of this parent run (name or id), e.g. a Tune sweep")
-    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)")
+    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else ~/zerolab_runs/mlflow.db, beside the runs)")
     parser.add_argument("--out", help="folder for runs.csv, runs.md and runs.png (default: compare/<experiment>[/<parent>])")
     args = parser.parse_args(argv)
 

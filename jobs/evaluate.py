@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=0, help="Ray Data actors that generate (one GPU each on cuda); 0: this process")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto", help="auto: bf16 on GPU, fp32 on CPU")
-    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)")
+    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else ~/zerolab_runs/mlflow.db, beside the runs)")
     parser.add_argument("--experiment", help="MLflow experiment of the eval run (default: the training run's)")
     parser.add_argument("--run-name", help="MLflow run name (default: eval-<training run name>)")
     parser.add_argument("--output-dir", help="where examples.jsonl/.csv and summary.json go (default: eval_outputs/<run name>)")

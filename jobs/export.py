@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="base model: hub id, folder or builtin:tiny-qwen2 (default: the training run's)")
     parser.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto", help="auto: the base model's stored dtype")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output folder")
-    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)")
+    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else ~/zerolab_runs/mlflow.db, beside the runs)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
 
