@@ -57,7 +57,8 @@ def read_junit(path: str | Path) -> Report:
         for prop in suite.iter("property"):
             report.properties[prop.get("name", "")] = prop.get("value", "")
         for case in suite.iter("testcase"):
-            report.cases.append(_case(case))
+            if case.get("name"):  # pytest writes a nameless entry for the session an interrupt cut short
+                report.cases.append(_case(case))
     return report
 
 
