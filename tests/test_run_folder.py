@@ -184,13 +184,15 @@ def test_the_lock_refuses_a_second_job_and_outlives_no_process(tmp_path):
         with pytest.raises(RunInUse, match=rf"in use by process {os.getpid()} on {socket.gethostname()}.*{LOCK_FILE}"):
             with folder.locked():
                 pass
-    assert not (tmp_path / "runs" / "locked" / LOCK_FILE).exists()
     # A lock whose process died (SIGKILL leaves it behind) is taken over.
+    assert not (tmp_path / "runs" / "locked").exists()  # released, and the empty folder removed with it
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    (tmp_path / "runs" / "locked").mkdir(parents=True)
     (tmp_path / "runs" / "locked" / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": int(gone), "since": "x"}))
     with folder.locked():
         assert json.loads((tmp_path / "runs" / "locked" / LOCK_FILE).read_text())["pid"] == os.getpid()
     # Another host's lock is not second-guessed.
+    (tmp_path / "runs" / "locked").mkdir(parents=True, exist_ok=True)
     (tmp_path / "runs" / "locked" / LOCK_FILE).write_text(json.dumps({"host": "elsewhere", "pid": 1, "since": "x"}))
     with pytest.raises(RunInUse, match="on elsewhere"):
         with folder.locked():

@@ -222,6 +222,8 @@ class RunFolder:
         finally:
             with contextlib.suppress(FileNotFoundError, OSError):
                 self.fs.delete_file(path)
+                if not self.fs.get_file_info(pafs.FileSelector(self.path)):
+                    self.fs.delete_dir(self.path)  # a launch refused before it wrote anything leaves nothing behind
 
     def _check_holder(self, path: str) -> None:
         """Raise RunInUse unless the lock at ``path`` was left by a process that is gone."""

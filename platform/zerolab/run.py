@@ -100,7 +100,7 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
         splits, reports = prepare_data(cfg, model_path)
         clock.mark("model config and data")
         memory = check_memory(cfg, model_config, force=force, datasets=splits)
-        clock.mark("memory preflight")
+        clock.mark("memory estimate")
         if resume.checkpoint:
             logger.info("%s %s from %s", "continuing finished run" if resume.extends else "resuming", cfg.run.name, resume.checkpoint)
         warn_if_node_local(uri)
