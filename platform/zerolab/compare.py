@@ -165,7 +165,7 @@ def collect(uri: str, experiment: str, parent: str | None = None) -> list[RunRow
         raise CompareError(f"no MLflow experiment named {experiment!r} at {tracking.mask_text(uri)} (experiments: {known})")
     filter_string = ""
     if parent:
-        parent_id = _find_parent(client, exp.experiment_id, parent)
+        parent_id = _find_parent(client, uri, exp.experiment_id, parent)
         filter_string = f"tags.`mlflow.parentRunId` = '{parent_id}'"
     runs = client.search_runs([exp.experiment_id], filter_string=filter_string, order_by=["attributes.start_time ASC"],
                               max_results=5000)
@@ -203,16 +203,14 @@ def collect(uri: str, experiment: str, parent: str | None = None) -> list[RunRow
     return rows
 
 
-def _find_parent(client: Any, experiment_id: str, parent: str) -> str:
+def _find_parent(client: Any, uri: str, experiment_id: str, parent: str) -> str:
     runs = client.search_runs([experiment_id], filter_string=f"attributes.run_name = '{parent}'", max_results=1,
                               order_by=["attributes.start_time DESC"])
     if runs:
         return runs[0].info.run_id
-    from mlflow.exceptions import MlflowException
-
     try:
-        return client.get_run(parent).info.run_id
-    except MlflowException:
+        return tracking.get_run(uri, parent).info.run_id
+    except tracking.NotInStore:
         raise CompareError(f"no parent run named or with id {parent!r} in this experiment") from None
 
 

@@ -147,57 +147,47 @@ def resolve_target(adapter: str | None, model: str | None, tracking_uri: str, do
 
 
 def _get_run(uri: str, run_id: str, ref: str) -> Any:
-    from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
+    from zerolab import tracking
 
     try:
-        return MlflowClient(tracking_uri=uri).get_run(run_id)
-    except MlflowException as exc:
+        return tracking.get_run(uri, run_id)
+    except tracking.NotInStore as exc:
         raise EvaluationError(
-            f"--adapter {ref}: there is no MLflow run '{run_id}' in {uri} ({_first_line(exc)}); check the run id "
+            f"--adapter {ref}: there is no MLflow run '{run_id}' in {uri} ({exc}); check the run id "
             f"(`mlflow ui --backend-store-uri {uri}` lists the runs) or point --tracking-uri / MLFLOW_TRACKING_URI at the store that holds it"
         ) from None
 
 
 def _download(artifact_uri: str, uri: str, dst: Path, ref: str) -> Path:
-    import mlflow.artifacts
-    from mlflow.exceptions import MlflowException
+    from zerolab import tracking
 
-    dst.mkdir(parents=True, exist_ok=True)
     try:
-        return Path(mlflow.artifacts.download_artifacts(artifact_uri=artifact_uri, tracking_uri=uri, dst_path=str(dst)))
-    except (MlflowException, OSError) as exc:
+        return tracking.download(artifact_uri, uri, dst)
+    except tracking.NotInStore as exc:
         raise EvaluationError(
-            f"--adapter {ref}: could not download {artifact_uri} ({_first_line(exc)}); the run may have logged no adapter "
+            f"--adapter {ref}: could not download {artifact_uri} ({exc}); the run may have logged no adapter "
             "(it failed or was stopped before the end), or the artifact path differs: give it as runs:/<run_id>/<path>"
         ) from None
 
 
 def _download_model_version(ref: str, uri: str, download_dir: Path) -> tuple[Path, str | None]:
     """Download a registered version's ``source``, falling back to ``runs:/<run_id>/adapter``."""
-    from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
+    from zerolab import tracking
 
     body = ref[len("models:/"):].strip("/")
-    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    alias: str | None = None
+    version: str | None = None
+    if "@" in body:
+        name, alias = body.split("@", 1)
+    else:
+        name, _, version = body.rpartition("/")
+        if not name or not version:
+            raise EvaluationError(f"--adapter {ref}: write models:/<name>/<version> or models:/<name>@<alias>")
     try:
-        if "@" in body:
-            name, alias = body.split("@", 1)
-            mv = client.get_model_version_by_alias(name, alias)
-        else:
-            name, _, version = body.rpartition("/")
-            if not name or not version:
-                raise EvaluationError(f"--adapter {ref}: write models:/<name>/<version> or models:/<name>@<alias>")
-            if version == "latest":
-                versions = client.search_model_versions(f"name = '{name}'")
-                if not versions:
-                    raise EvaluationError(f"--adapter {ref}: the registered model '{name}' has no versions in {uri}")
-                mv = max(versions, key=lambda v: int(v.version))
-            else:
-                mv = client.get_model_version(name, version)
-    except MlflowException as exc:
+        mv = tracking.model_version(uri, name, version=version, alias=alias)
+    except tracking.NotInStore as exc:
         raise EvaluationError(
-            f"--adapter {ref}: no such registered model version in {uri} ({_first_line(exc)}); check the name and version "
+            f"--adapter {ref}: no such registered model version in {uri} ({exc}); check the name and version "
             "or alias in the MLflow UI's Models page, or point --tracking-uri at the right store"
         ) from None
     tries = [mv.source] if mv.source else []
@@ -724,30 +714,23 @@ def options_for(target: Target, *, task: str | None = None, data_path: str | Non
 def log_report(report: EvalReport, uri: str, run_id: str, *, step: int = 0) -> None:
     """Metrics (``eval/*``), the per-example table (``mlflow.log_table``: ``eval/examples.json``)
     and the files of :meth:`EvalReport.write` (under ``eval/``) into the MLflow run ``run_id``."""
-    from mlflow import MlflowClient
-    from mlflow.entities import Metric
+    from zerolab import tracking
 
-    client = MlflowClient(tracking_uri=uri)
-    now = int(time.time() * 1000)
-    metrics = [Metric(k, float(v), now, step) for k, v in report.metrics().items() if math.isfinite(v)]
-    for i in range(0, len(metrics), 500):
-        client.log_batch(run_id, metrics=metrics[i : i + 500])
+    tracking.MetricsLogger(uri, run_id).log({k: v for k, v in report.metrics().items() if math.isfinite(v)}, step=step)
     rows = report.table()
-    client.log_table(run_id, data={k: [row[k] for row in rows] for k in rows[0]}, artifact_file="eval/examples.json")
+    tracking.log_table(uri, run_id, {k: [row[k] for row in rows] for k in rows[0]}, "eval/examples.json")
     with tempfile.TemporaryDirectory() as tmp:
         report.write(tmp)
-        client.log_artifacts(run_id, tmp, "eval")
+        tracking.log_artifact(uri, run_id, tmp, "eval")
 
 
 def log_eval_run(report: EvalReport, target: Target, uri: str, *, experiment: str | None = None, run_name: str | None = None) -> str:
     """Record a standalone evaluation as its own MLflow run (tagged with the training run it
     evaluates) in ``experiment``, else the training run's experiment, else ``zerolab``; returns its id."""
-    from mlflow import MlflowClient
-
     from zerolab import tracking
 
     if experiment is None:
-        experiment = MlflowClient(tracking_uri=uri).get_experiment(target.experiment_id).name if target.experiment_id else "zerolab"
+        experiment = tracking.mlflow_client(uri).get_experiment(target.experiment_id).name if target.experiment_id else "zerolab"
     run_name = run_name or default_run_name(target)
     tags = {"zerolab.kind": "eval", "task": report.task, "model": str(target.base)}
     if target.run_id:

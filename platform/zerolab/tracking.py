@@ -210,6 +210,58 @@ def tracked_run(uri: str, experiment: str, run_name: str, *, tags: dict[str, str
         close_run(uri, found, run.status)
 
 
+class NotInStore(LookupError):
+    """A run, artifact or registered version the MLflow store does not have (or cannot hand over)."""
+
+
+def get_run(uri: str, run_id: str) -> Any:
+    """The run ``run_id`` (MLflow's entity); NotInStore when the store has none."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return mlflow_client(uri).get_run(run_id)
+    except MlflowException as exc:
+        raise NotInStore(_first_line(exc)) from None
+
+
+def download(artifact_uri: str, uri: str, dst: Path) -> Path:
+    """Download ``artifact_uri`` (``runs:/``, ``models:/`` or a store URI) into ``dst``; NotInStore on failure."""
+    import mlflow.artifacts
+    from mlflow.exceptions import MlflowException
+
+    dst.mkdir(parents=True, exist_ok=True)
+    try:
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=artifact_uri, tracking_uri=uri, dst_path=str(dst)))
+    except (MlflowException, OSError) as exc:
+        raise NotInStore(_first_line(exc)) from None
+
+
+def model_version(uri: str, name: str, *, version: str | None = None, alias: str | None = None) -> Any:
+    """A registered version by number, ``latest`` or alias; NotInStore when there is none."""
+    from mlflow.exceptions import MlflowException
+
+    client = mlflow_client(uri)
+    try:
+        if alias is not None:
+            return client.get_model_version_by_alias(name, alias)
+        if version == "latest":
+            versions = client.search_model_versions(f"name = '{name}'")
+            if not versions:
+                raise NotInStore(f"the registered model '{name}' has no versions")
+            return max(versions, key=lambda v: int(v.version))
+        return client.get_model_version(name, str(version))
+    except MlflowException as exc:
+        raise NotInStore(_first_line(exc)) from None
+
+
+def log_table(uri: str, run_id: str, data: dict[str, list[Any]], artifact_file: str) -> None:
+    mlflow_client(uri).log_table(run_id, data=data, artifact_file=artifact_file)
+
+
+def _first_line(exc: BaseException) -> str:
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+
+
 def close_run(uri: str, run_id: str, status: str) -> None:
     mlflow_client(uri).set_terminated(run_id, status=status)
 
