@@ -97,16 +97,30 @@ def trained_state(checkpoint: Path, stage: int) -> dict:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
-    """One local Ray instance for the whole session (starting Ray costs seconds each time)."""
+def _ray_session():
+    """Ray is shut down once, after the last test; starting it costs seconds each time."""
+    import ray
+
+    yield
+    ray.shutdown()
+
+
+def ensure_ray():
+    """The local Ray instance the tests share: started by the first test that needs it, and again
+    after a test whose job shut it down (as a job's command line does)."""
     import ray
 
     from zerolab.config import load_config
     from zerolab.run import connect_ray
 
-    connect_ray(load_config(None, []))
-    yield ray
-    ray.shutdown()
+    if not ray.is_initialized():
+        connect_ray(load_config(None, []))
+    return ray
+
+
+@pytest.fixture
+def ray_cluster(_ray_session):
+    return ensure_ray()
 
 
 @pytest.fixture(scope="session")

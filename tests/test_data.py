@@ -312,6 +312,7 @@ def test_ray_data_preparation_gives_the_driver_preparation(ray_cluster, tokenize
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_a_job_trains_when_its_data_files_exist_on_the_driver_only(ray_cluster, tokenized_cache, tmp_path, tiny_model_path, monkeypatch):
     """The workers get their rows through Ray: the data files (and the cache) are gone before they start."""
     from zerolab import run

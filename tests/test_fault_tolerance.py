@@ -193,6 +193,7 @@ def test_a_finished_run_is_left_alone_continued_with_more_steps_or_restarted(ray
     assert restarted.run_id != result.run_id  # a restart is a new MLflow run
 
 
+@pytest.mark.slow
 def test_a_finished_run_relaunched_from_another_directory_says_where_it_is(ray_cluster, tmp_path, tiny_model_path):
     """The embedded default without a name or a store: a new run, its record beside the run folders;
     naming it again from elsewhere trains nothing, in seconds, and points at both halves."""

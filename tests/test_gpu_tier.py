@@ -95,20 +95,17 @@ torch.save(out, out_file)
 def gpu_ray():
     """A local Ray instance whose workers see the GPUs and use DeepSpeed's CUDA accelerator: workers
     inherit the environment Ray starts with, and the suite's conftest sets DS_ACCELERATOR=cpu. A
-    CPU instance of the session (the ``ray_cluster`` fixture) is stopped first and restarted after."""
+    CPU instance of the session is stopped first (the next test that needs one starts it again)."""
     import ray
 
     from zerolab.run import connect_ray
 
-    was_running = ray.is_initialized()
     ray.shutdown()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DS_ACCELERATOR", "cuda")
         connect_ray(load_config(None, ["scaling.use_gpu=true"]))
         yield ray
         ray.shutdown()
-    if was_running:
-        connect_ray(load_config(None, []))
 
 
 def case_config(tmp_path: Path, model_path: str, overrides: list[str], num_workers: int, *, use_gpu: bool = True) -> SFTConfig:

@@ -416,8 +416,8 @@ def test_cli_config_error_exits_2_without_traceback():
 @pytest.mark.ray
 @pytest.mark.parametrize("extra", [
     {},
-    {"deepspeed.stage": 0, "data.packing": "true", "data.max_seq_length": 512, "train.micro_batch_size": 32,
-     "data.num_train_rows": 2400, "train.max_steps": 4},
+    pytest.param({"deepspeed.stage": 0, "data.packing": "true", "data.max_seq_length": 512, "train.micro_batch_size": 32,
+                  "data.num_train_rows": 2400, "train.max_steps": 4}, marks=pytest.mark.slow),
 ], ids=["tiny-default", "tiny-16k-token-batches"])
 def test_host_estimate_matches_a_cpu_run(ray_cluster, tmp_path, extra):
     """The summed worker RSS peak of a real 2-worker CPU run (``mem/host_rss_peak_gib``) is within

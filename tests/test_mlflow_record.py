@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, tiny_overrides
+from conftest import REPO, ensure_ray, tiny_overrides
 from zerolab.config import load_config
 from zerolab.run import run_sft
 
@@ -24,8 +24,9 @@ PASSWORD = "hunter2-not-for-logs"
 
 
 @pytest.fixture(scope="module")
-def recorded(ray_cluster, mlflow_server, tmp_path_factory, tiny_model_path):
+def recorded(_ray_session, mlflow_server, tmp_path_factory, tiny_model_path):
     """One finished job whose tracking URI carries credentials and whose job YAML has them too."""
+    ensure_ray()
     tmp = tmp_path_factory.mktemp("record")
     uri = mlflow_server.replace("http://", f"http://zerolab:{PASSWORD}@")
     job = tmp / "job.yaml"

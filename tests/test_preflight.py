@@ -48,6 +48,7 @@ def test_impossible_job_is_refused_with_the_options_that_fit(tmp_path, tiny_mode
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())  # nothing launched
 
 
+@pytest.mark.slow
 def test_a_job_that_fits_by_its_data_launches(tmp_path, tiny_model_path):
     proc = sft(tmp_path, **HUGE)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -785,20 +785,20 @@ def load_model_config(cfg: SFTConfig) -> Any:
     (a dict, no network), or else the hub. No weights are read. Raises ModelLoadError."""
     from transformers import AutoConfig
 
-    from zerolab.models import ModelLoadError, _load_failure, resolve_model_path
+    from zerolab.models import LOAD_ERRORS, ModelLoadError, _load_failure, resolve_model_path
 
     path = resolve_model_path(cfg.model.name_or_path)
     kwargs = dict(revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
     if not Path(path).expanduser().exists():
         try:
             return AutoConfig.from_pretrained(path, local_files_only=True, **kwargs)
-        except (OSError, ValueError):
+        except LOAD_ERRORS:
             known = KNOWN_CONFIGS.get(path.removesuffix("-Instruct"))
             if known is not None:
                 return {"model_type": "qwen2", "dtype": "bfloat16", **known}
     try:
         return AutoConfig.from_pretrained(path, **kwargs)
-    except (OSError, ValueError) as exc:
+    except LOAD_ERRORS as exc:
         raise ModelLoadError(_load_failure(cfg.model.name_or_path, "model config", exc)) from exc
 
 

@@ -18,11 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from zerolab.config import BUILTIN_TINY_MODEL, ModelSpec
 
 logger = logging.getLogger(__name__)
+
+LOAD_ERRORS = (OSError, ValueError, StrictDataclassError)
+"""What transformers raises for a model folder or hub id it cannot load (missing files, a config that
+fails its own checks)."""
 
 CHATML_TEMPLATE = (
     "{%- for message in messages %}"
@@ -181,7 +186,7 @@ def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
     path = resolve_model_path(spec.name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, revision=spec.revision, trust_remote_code=spec.trust_remote_code)
-    except (OSError, ValueError) as exc:
+    except LOAD_ERRORS as exc:
         raise ModelLoadError(_load_failure(spec.name_or_path, "tokenizer", exc)) from exc
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -221,7 +226,7 @@ def linear_module_names(spec: ModelSpec, config: Any = None) -> set[str]:
         try:
             config = AutoConfig.from_pretrained(resolve_model_path(spec.name_or_path), revision=spec.revision,
                                                 trust_remote_code=spec.trust_remote_code)
-        except (OSError, ValueError) as exc:
+        except LOAD_ERRORS as exc:
             raise ModelLoadError(_load_failure(spec.name_or_path, "model config", exc)) from exc
     elif isinstance(config, dict):
         config = AutoConfig.for_model(**config)
