@@ -69,3 +69,18 @@ def test_force_lets_a_refused_job_past_the_preflight(ray_cluster, tmp_path, tiny
     assert "launching anyway (--force): memory preflight: ZeRO-2" in caplog.text
     assert check.estimate.data_aware and check.estimate.seq_len < 32768
     assert check.params()["memory.estimate_by_config"].startswith("worst case by config")
+
+
+def test_a_jobs_plan_resolves_model_data_and_deepspeed_once(ray_cluster, tmp_path, tiny_model_path):
+    """The plan holds what the driver resolved; a second plan of the same job reads the tokenized cache."""
+    from zerolab import ds_config
+    from zerolab.config import load_config
+    from zerolab.run import plan_job
+
+    cfg = load_config(None, tiny_overrides(tmp_path, **{"train.max_steps": 2}))
+    first, second = plan_job(cfg), plan_job(cfg)
+    assert first.model_path == tiny_model_path and first.model_config.hidden_size > 0
+    assert first.deepspeed == ds_config.resolve(cfg, first.model_config.hidden_size)
+    assert first.memory.estimate.data_aware and first.memory.params()["memory.estimate"]
+    assert all(split.from_cache for split in second.splits.values())
+    assert {k: r.fingerprint for k, r in second.reports.items()} == {k: r.fingerprint for k, r in first.reports.items()}

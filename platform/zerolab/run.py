@@ -93,19 +93,11 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
         connect_ray(cfg)
         check_resources(cfg)
         clock.mark("Ray")
-        # The model's path and config are resolved once here; the checks and the estimate read them.
-        model_path = resolve_model_path(cfg.model.name_or_path)
-        model_config = load_model_config(cfg)
-        resolved_ds = check_against_model(cfg, model_config)
-        splits, reports = prepare_data(cfg, model_path)
-        clock.mark("model config and data")
-        memory = check_memory(cfg, model_config, force=force, datasets=splits)
-        clock.mark("memory estimate")
+        plan = plan_job(cfg, force=force, clock=clock)
         if resume.checkpoint:
             logger.info("%s %s from %s", "continuing finished run" if resume.extends else "resuming", cfg.run.name, resume.checkpoint)
         warn_if_node_local(uri)
-        commit = tracking.git_commit()
-        tags = {**run_tags(cfg, commit), tracking.RUN_FOLDER_TAG: tracking.mask_text(folder.uri),
+        tags = {**run_tags(cfg, plan.commit), tracking.RUN_FOLDER_TAG: tracking.mask_text(folder.uri),
                 **({"mlflow.parentRunId": parent_run_id} if parent_run_id else {})}
         recorded_id = resume.record.run_id if resume.record and resume.record.tracking_uri == tracking.mask_text(uri) else None
         with tracking.tracked_run(uri, cfg.tracking.experiment, cfg.run.name, tags=tags, new=restart, run_id=recorded_id) as run:
@@ -115,7 +107,7 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
                                experiment=cfg.tracking.experiment, run_id=run.run_id,
                                **({"started_at": resume.record.started_at} if resume.record else {}))
             try:
-                return _train(cfg, run, record, folder, clock, resolved_ds, splits, reports, memory, commit, config_file, in_tune)
+                return _train(plan, run, record, folder, clock, config_file, in_tune)
             except KeyboardInterrupt:
                 run.status, record.status = "KILLED", "stopped"
                 raise
@@ -123,19 +115,19 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
                 _settle_record(folder, record, run.status)
 
 
-def _train(cfg: SFTConfig, run: tracking.TrackedRun, record: RunRecord, folder: RunFolder, clock: StartupClock,
-           resolved_ds: dict[str, Any], splits: dict[str, PreparedSplit], reports: dict[str, SplitReport], memory: MemoryCheck,
-           commit: str | None, config_file: str | Path | None, in_tune: bool) -> RunResult:
+def _train(plan: JobPlan, run: tracking.TrackedRun, record: RunRecord, folder: RunFolder, clock: StartupClock,
+           config_file: str | Path | None, in_tune: bool) -> RunResult:
     """Record the job's inputs, run the trainer, and record its outcome into ``run`` and ``record``."""
-    run.log_params(tracking.mask_params({**cfg.flat(), **derived_params(cfg, reports, commit), **memory.params()}))
+    cfg, memory = plan.cfg, plan.memory
+    run.log_params(tracking.mask_params({**cfg.flat(), **derived_params(cfg, plan.reports, plan.commit), **memory.params()}))
     run.log_metrics(memory.predicted(), step=0)
-    _log_inputs(run, cfg, resolved_ds, reports, config_file)
+    _log_inputs(run, plan, config_file)
     folder.write_record(record)  # training begins
     clock.mark("MLflow run")
     deadline = clock.launched + cfg.run.max_wall_time_s if cfg.run.max_wall_time_s else None
     stop = StopSignal(cfg.train.log_every_n_steps)
     with stop.installed():
-        result = stop.fit(build_trainer(cfg, resolved_ds, splits, run.uri, run.run_id, stop.flag, in_tune=in_tune, deadline=deadline))
+        result = stop.fit(build_trainer(plan, run.uri, run.run_id, stop.flag, in_tune=in_tune, deadline=deadline))
     checkpoint = result.checkpoint
     assert checkpoint is not None, "the run finished without a final checkpoint"
     checkpoint_uri = location(checkpoint.filesystem, checkpoint.path)
@@ -166,7 +158,45 @@ def _train(cfg: SFTConfig, run: tracking.TrackedRun, record: RunRecord, folder: 
     run.status, record.status = "FINISHED", "finished"
     adapter = f"{checkpoint_uri.rstrip('/')}/adapter"
     return RunResult(run_id=run.run_id, run_name=cfg.run.name, tracking_uri=run.uri, checkpoint_path=checkpoint_uri,
-                     adapter_path=adapter, metrics=metrics, data={k: r.to_dict() for k, r in reports.items()})
+                     adapter_path=adapter, metrics=metrics, data={k: r.to_dict() for k, r in plan.reports.items()})
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """What the driver resolves for a job, once, before anything is launched: the checks, the
+    estimate, the MLflow params and the trainer read it, and the workers get its config and
+    DeepSpeed JSON (they re-resolve nothing)."""
+
+    cfg: SFTConfig
+    model_path: str
+    """Local folder or hub id (``builtin:`` names resolved)."""
+    model_config: Any
+    """The model's Hugging Face config (or a known shape's dict); no weights are read."""
+    deepspeed: dict[str, Any]
+    """The resolved DeepSpeed JSON the engine is built from."""
+    splits: dict[str, PreparedSplit]
+    """Tokenized rows of each split (with their fingerprint and token counts)."""
+    memory: MemoryCheck
+    commit: str | None
+
+    @property
+    def reports(self) -> dict[str, SplitReport]:
+        return {name: split.report for name, split in self.splits.items()}
+
+
+def plan_job(cfg: SFTConfig, *, force: bool = False, clock: StartupClock | None = None) -> JobPlan:
+    """Resolve ``cfg`` against its model, data and cluster (Ray connected): raises ConfigError,
+    DataError, ModelLoadError or MemoryPreflightError (unless ``force``) for what cannot run."""
+    model_path = resolve_model_path(cfg.model.name_or_path)
+    model_config = load_model_config(cfg)
+    resolved_ds = check_against_model(cfg, model_config)
+    splits, _ = prepare_data(cfg, model_path)
+    if clock:
+        clock.mark("model config and data")
+    memory = check_memory(cfg, model_config, force=force, datasets=splits)
+    if clock:
+        clock.mark("memory estimate")
+    return JobPlan(cfg, model_path, model_config, resolved_ds, splits, memory, tracking.git_commit())
 
 
 class StartupClock:
@@ -664,21 +694,20 @@ def derived_params(cfg: SFTConfig, reports: dict[str, SplitReport], commit: str 
     return params
 
 
-def _log_inputs(run: tracking.TrackedRun, cfg: SFTConfig, resolved_ds: dict[str, Any], reports: dict[str, SplitReport],
-                config_file: str | Path | None) -> None:
+def _log_inputs(run: tracking.TrackedRun, plan: JobPlan, config_file: str | Path | None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        resolved = {section: tracking.mask_params(values) for section, values in cfg.to_dict().items()}
+        resolved = {section: tracking.mask_params(values) for section, values in plan.cfg.to_dict().items()}
         (folder / "resolved_config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False, allow_unicode=True))
-        (folder / "deepspeed.json").write_text(json.dumps(resolved_ds, indent=2))
-        (folder / "data_report.json").write_text(json.dumps({k: r.to_dict() for k, r in reports.items()}, indent=2, ensure_ascii=False))
+        (folder / "deepspeed.json").write_text(json.dumps(plan.deepspeed, indent=2))
+        (folder / "data_report.json").write_text(json.dumps({k: r.to_dict() for k, r in plan.reports.items()}, indent=2, ensure_ascii=False))
         if config_file is not None:
             (folder / "job.yaml").write_text(tracking.mask_yaml(Path(config_file).read_text(encoding="utf-8")), encoding="utf-8")
         run.log_artifact(folder, "config")
 
 
-def build_trainer(cfg: SFTConfig, resolved_ds: dict[str, Any], datasets: dict[str, PreparedSplit], uri: str | None, run_id: str | None,
-                  stop_flag: Any = None, *, in_tune: bool = False, deadline: float | None = None) -> Any:
+def build_trainer(plan: JobPlan, uri: str | None, run_id: str | None, stop_flag: Any = None, *, in_tune: bool = False,
+                  deadline: float | None = None) -> Any:
     """The TorchTrainer for this job (Ray Train V2): same name and storage path = same run, resumed."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -687,15 +716,16 @@ def build_trainer(cfg: SFTConfig, resolved_ds: dict[str, Any], datasets: dict[st
     from zerolab.data import worker_datasets
     from zerolab.train import train_loop_per_worker
 
+    cfg = plan.cfg
     s = cfg.scaling
     resources = {"CPU": s.cpus_per_worker, **({"GPU": 1} if s.use_gpu else {})}
     path, filesystem = trainer_storage(cfg)
-    shards, data_config = worker_datasets(datasets, s.num_workers)
+    shards, data_config = worker_datasets(plan.splits, s.num_workers)
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
             "sft": cfg,  # validated here; workers do not re-check paths that exist on the driver only
-            "deepspeed": resolved_ds,
+            "deepspeed": plan.deepspeed,
             "tracking": {"uri": uri, "run_id": run_id} if run_id else None,
             "stop_flag": stop_flag,
             "deadline_unix": deadline,
