@@ -62,7 +62,7 @@ class RunResult:
 
 
 def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: bool = False, force: bool = False,
-            parent_run_id: str | None = None, in_tune: bool = False) -> RunResult:
+            parent_run_id: str | None = None, in_tune: bool = False, launched: float | None = None) -> RunResult:
     """Run one SFT job end to end and return where its results are.
 
     A run is its run folder (``run.storage_path/run.name``) plus its MLflow run, each recording the
@@ -79,9 +79,10 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
     (DeadlineReached).
 
     Under Ray Tune (``in_tune``, from :mod:`zerolab.tune`) every logged window is reported to the
-    trial, and the MLflow run is a child of ``parent_run_id``.
+    trial, and the MLflow run is a child of ``parent_run_id``. ``launched`` (the job process's
+    start time) starts the start-up clock and ``run.max_wall_time_s``; by default, the call.
     """
-    clock = StartupClock()
+    clock = StartupClock(launched)
     cfg = with_run_name(cfg)
     storage = storage_path(cfg)
     folder = RunFolder.of(cfg, storage)
@@ -202,11 +203,16 @@ def plan_job(cfg: SFTConfig, *, force: bool = False, clock: StartupClock | None 
 class StartupClock:
     """The driver's start-up phases, from launch to the workers' first optimizer step: logged as
     one line and as ``perf/startup_s`` (with the step's time, ``perf/first_step_unix``, and the
-    training time, ``perf/wall_s``) so runs compare their start-up in MLflow."""
+    training time, ``perf/wall_s``) so runs compare their start-up in MLflow.
 
-    def __init__(self) -> None:
-        self.launched = time.time()
+    ``launched`` is when the job's process started (the jobs pass it, so Python's start and the
+    imports count); without it, now (a Tune trial, a job called in-process)."""
+
+    def __init__(self, launched: float | None = None) -> None:
         self._marks: list[tuple[str, float]] = []
+        self.launched = launched or time.time()
+        if launched:
+            self.mark("Python start and imports")
 
     def mark(self, phase: str) -> None:
         """The phase that ends now."""
@@ -351,6 +357,10 @@ class StopSignal:
                 signal.signal(s, handler)
 
 
+TRAIN_POLL_S = "0.5"
+"""How often Ray Train's controller polls the workers (``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``)."""
+
+
 def connect_ray(cfg: SFTConfig, *, log_to_driver: bool = True) -> None:
     """Join the cluster named by RAY_ADDRESS (set by ``ray job submit``; ``auto`` joins a local
     ``ray start`` cluster) or start a local one. zerolab itself is shipped to the workers with the
@@ -359,7 +369,10 @@ def connect_ray(cfg: SFTConfig, *, log_to_driver: bool = True) -> None:
 
     if ray.is_initialized():
         return
-    env_vars = {"TOKENIZERS_PARALLELISM": "false"}
+    # Ray Train's controller polls its workers every 2 s by default, so a finished run (and each
+    # report) waited up to that long before the controller acted on it.
+    env_vars = {"TOKENIZERS_PARALLELISM": "false",
+                "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", TRAIN_POLL_S)}
     if not cfg.scaling.use_gpu:
         env_vars["DS_ACCELERATOR"] = "cpu"
     else:
@@ -591,8 +604,9 @@ def job_shard_lengths(cfg: SFTConfig) -> Any:
 
 def cluster_limits(cfg: SFTConfig) -> Any:
     """GPU memory and host RAM of the Ray nodes that can run this job's workers, measured on each
-    node by a zero-resource task (the driver may sit on a machine without GPUs): the smallest GPU
-    and the smallest RAM among them, so the check holds wherever Ray places the workers."""
+    node by a zero-resource task (the driver may sit on a machine without GPUs), the driver's own
+    node in-process (a task's new worker process costs seconds): the smallest GPU and the smallest
+    RAM among them, so the check holds wherever Ray places the workers."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -604,8 +618,10 @@ def cluster_limits(cfg: SFTConfig) -> Any:
 
     nodes = [n for n in ray.nodes() if n["Alive"] and (not cfg.scaling.use_gpu or n["Resources"].get("GPU", 0) > 0)
              and n["Resources"].get("CPU", 0) >= cfg.scaling.cpus_per_worker]
+    here = ray.get_runtime_context().get_node_id()
     found = ray.get([detect.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
-                     for n in nodes])
+                     for n in nodes if n["NodeID"] != here])
+    found += [Limits.detect_with_nvml() for n in nodes if n["NodeID"] == here]
     gpu = [f.gpu_mem_bytes for f in found if f.gpu_mem_bytes] if cfg.scaling.use_gpu else []
     host = [f.host_mem_bytes for f in found if f.host_mem_bytes]
     per_node = max((f.gpus_per_node or 0) for f in found) if cfg.scaling.use_gpu and found else None
