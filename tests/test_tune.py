@@ -60,6 +60,19 @@ def test_trial_config_maps_zero_options_and_keeps_the_global_batch():
         tune.trial_config(base, sweep, {"deepspeed.zero": "3+all", "train.micro_batch_size": 24}, "s-t2")
 
 
+def test_a_trials_config_is_the_single_jobs_config_for_the_same_overrides(tmp_path):
+    from zerolab.config import load_config
+
+    base = {"train": {"micro_batch_size": 8, "lr": 2e-4}, "run": {"storage_path": str(tmp_path)}}
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    sweep = tune.parse_sweep({"name": "s", "set": {"train.max_steps": 7},
+                              "space": {"deepspeed.zero": {"grid": ["2+optimizer"]}, "adapter.r": {"grid": [32]}}}, KEYS)
+    trial = tune.trial_config(base, sweep, {"deepspeed.zero": "2+optimizer", "adapter.r": 32}, "s-t1")
+    single = load_config(tmp_path / "base.yaml", ["train.max_steps=7", "deepspeed.stage=2", "deepspeed.offload_optimizer=true",
+                                                  "adapter.r=32", "run.name=s-t1", f"run.storage_path={tmp_path}/s/trial_runs"])
+    assert trial == single
+
+
 def test_a_space_with_impossible_combinations_fails_before_any_trial():
     sweep = tune.parse_sweep({"space": {"deepspeed.stage": {"grid": [0, 2]}, "deepspeed.offload_optimizer": {"grid": [True]}}}, KEYS)
     with pytest.raises(tune.SweepError) as err:
