@@ -90,6 +90,7 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
         resume = prepare_run_folder(cfg, storage, restart=restart)
         uri = _store_of(cfg, storage, resume.record)
         tracking.check_store(uri)
+        store_opened = tracking.warm_up(uri)
         clock.mark("run folder and MLflow store checks")
         connect_ray(cfg)
         check_resources(cfg)
@@ -100,6 +101,7 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
         warn_if_node_local(uri)
         tags = {**run_tags(cfg, plan.commit), tracking.RUN_FOLDER_TAG: tracking.mask_text(folder.uri),
                 **({"mlflow.parentRunId": parent_run_id} if parent_run_id else {})}
+        store_opened.join(timeout=60)
         recorded_id = resume.record.run_id if resume.record and resume.record.tracking_uri == tracking.mask_text(uri) else None
         with tracking.tracked_run(uri, cfg.tracking.experiment, cfg.run.name, tags=tags, new=restart, run_id=recorded_id) as run:
             logger.info("MLflow run %s (%s) in experiment '%s' at %s", run.run_id, "resumed" if run.resumed else "new",

@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -132,6 +133,24 @@ def mlflow_client(uri: str) -> Any:
     from mlflow import MlflowClient
 
     return MlflowClient(tracking_uri=uri)
+
+
+def warm_up(uri: str) -> threading.Thread:
+    """Import MLflow and open the store (a new SQLite store creates its tables, ~1.5 s) in a
+    background thread, while the launch waits on Ray's processes; join it before the first call.
+    Best effort: a store that fails here fails again, with its error, at the real call."""
+
+    def open_store() -> None:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            mlflow_client(uri).search_experiments(max_results=1)
+        except (MlflowException, OSError) as exc:
+            logger.debug("MLflow store %s not opened ahead: %s", mask_text(uri), exc)
+
+    thread = threading.Thread(target=open_store, name="zerolab-mlflow-warm-up", daemon=True)
+    thread.start()
+    return thread
 
 
 def open_run(uri: str, experiment: str, run_name: str, tags: dict[str, str] | None = None, *, new: bool = False,
