@@ -63,7 +63,7 @@ def test_force_lets_a_refused_job_past_the_preflight(ray_cluster, tmp_path, tiny
 
     cfg = load_config(None, tiny_overrides(tmp_path, **{**HUGE, "train.micro_batch_size": 8,
                                                         "data.train_path": long_rows(tmp_path)}))
-    datasets, _ = prepare_data(cfg, tiny_model_path)
+    datasets = prepare_data(cfg, tiny_model_path)
     with caplog.at_level(logging.WARNING, logger="zerolab"):
         check = check_memory(cfg, load_model_config(cfg), force=True, datasets=datasets)
     assert "launching anyway (--force): memory preflight: ZeRO-2" in caplog.text

@@ -193,7 +193,7 @@ def plan_job(cfg: SFTConfig, *, force: bool = False, clock: StartupClock | None 
     model_path = resolve_model_path(cfg.model.name_or_path)
     model_config = load_model_config(cfg)
     resolved_ds = check_against_model(cfg, model_config)
-    splits, _ = prepare_data(cfg, model_path)
+    splits = prepare_data(cfg, model_path)
     if clock:
         clock.mark("model config and data")
     memory = check_memory(cfg, model_config, force=force, datasets=splits)
@@ -600,7 +600,7 @@ def shard_lengths(datasets: dict[str, PreparedSplit], world_size: int) -> Any:
 def job_shard_lengths(cfg: SFTConfig) -> Any:
     """The job's shards (``shard_lengths``) from its data as a run would prepare it (its files, or
     the task's generated ones; the tokenized-data cache when unchanged), without starting workers."""
-    splits, _ = prepare_data(cfg, resolve_model_path(cfg.model.name_or_path))
+    splits = prepare_data(cfg, resolve_model_path(cfg.model.name_or_path))
     return shard_lengths(splits, cfg.world_size())
 
 
@@ -655,23 +655,23 @@ def check_against_model(cfg: SFTConfig, model_config: Any) -> dict[str, Any]:
     return resolved
 
 
-def prepare_data(cfg: SFTConfig, model_path: str) -> tuple[dict[str, PreparedSplit], dict[str, SplitReport]]:
-    """Each split's tokenized rows (from the tokenized-data cache when unchanged), and its report."""
-    datasets, reports = {}, {}
+def prepare_data(cfg: SFTConfig, model_path: str) -> dict[str, PreparedSplit]:
+    """Each split's tokenized rows, with its report (from the tokenized-data cache when unchanged)."""
+    splits = {}
     for split, path in dataset_paths(cfg).items():
         started = time.monotonic()
-        datasets[split] = prepare_split(split, path, cfg, model_path)
-        reports[split] = datasets[split].report
-        logger.info("data %s, in %.1f s", reports[split].summary(), time.monotonic() - started)
-    need = cfg.train.micro_batch_size * cfg.world_size()
-    if reports["train"].rows_used < cfg.world_size():
+        splits[split] = prepare_split(split, path, cfg, model_path)
+        logger.info("data %s, in %.1f s", splits[split].report.summary(), time.monotonic() - started)
+    train = splits["train"].report
+    if train.rows_used < cfg.world_size():
         raise DataError(
-            f"data.train_path: {reports['train'].rows_used} usable rows cannot be split over scaling.num_workers="
+            f"data.train_path: {train.rows_used} usable rows cannot be split over scaling.num_workers="
             f"{cfg.world_size()} workers; add data or use fewer workers"
         )
-    if reports["train"].rows_used < need and not cfg.data.packing:
-        logger.warning("only %d training rows for a global micro-batch of %d", reports["train"].rows_used, need)
-    return datasets, reports
+    need = cfg.train.micro_batch_size * cfg.world_size()
+    if train.rows_used < need and not cfg.data.packing:
+        logger.warning("only %d training rows for a global micro-batch of %d", train.rows_used, need)
+    return splits
 
 
 def run_tags(cfg: SFTConfig, commit: str | None) -> dict[str, str]:
