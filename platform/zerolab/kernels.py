@@ -18,9 +18,10 @@
   B's product, a scale and an add, three passes over the B·S×out output in the forward and one
   more in the backward, for every wrapped projection (about a thousand small kernels per step
   of a 7B model); ``addmm_`` accumulates ``scale·A(x)·Bᵀ`` into the base layer's output in the
-  product's own epilogue. Plain LoRA (rsLoRA too) with one active adapter, on any device, below
-  ZeRO-3 (whose hooks partition and gather weights around module calls); other layers keep peft's
-  forward.
+  product's own epilogue; without dropout the layer is one autograd node whose backward also
+  accumulates the adapter's input gradient into the base product's instead of autograd adding the
+  two. Plain LoRA (rsLoRA too) with one active adapter, on any device, below ZeRO-3 (whose hooks
+  partition and gather weights around module calls); other layers keep peft's forward.
 """
 
 from __future__ import annotations
@@ -251,9 +252,42 @@ def _lora_addmm_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -
             or not x.dtype == a_layer.weight.dtype == b_layer.weight.dtype == base.weight.dtype):
         return type(self).forward(self, x, *args, **kwargs)
     flat = x.reshape(-1, x.shape[-1])
-    out = base(flat)
-    out.addmm_(a_layer(self.lora_dropout[name](flat)), b_layer.weight.t(), alpha=self.scaling[name])
+    if isinstance(self.lora_dropout[name], torch.nn.Identity) and not base.weight.requires_grad and (
+            base.bias is None or not base.bias.requires_grad):
+        out = _LoRALinear.apply(flat, base.weight, base.bias, a_layer.weight, b_layer.weight, self.scaling[name])
+    else:
+        out = base(flat)
+        out.addmm_(a_layer(self.lora_dropout[name](flat)), b_layer.weight.t(), alpha=self.scaling[name])
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class _LoRALinear(torch.autograd.Function):
+    """``x·Wᵀ + b + s·(x·Aᵀ)·Bᵀ`` for a frozen ``W`` (no dropout) as one autograd node. Its backward
+    accumulates the adapter's share of the input gradient into the base product's (``addmm_``,
+    the sum in the product's epilogue) where autograd would add the two branches' gradients in
+    a separate pass over the B·S×in tensor, once per wrapped projection."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
+                lora_b: torch.Tensor, scale: float) -> torch.Tensor:
+        h = x @ lora_a.t()
+        out = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
+        out.addmm_(h, lora_b.t(), alpha=scale)
+        ctx.save_for_backward(x, weight, lora_a, lora_b, h)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, lora_a, lora_b, h = ctx.saved_tensors
+        grad_h = (grad @ lora_b).mul_(ctx.scale)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad @ weight
+            grad_x.addmm_(grad_h, lora_a)
+        grad_a = grad_h.t() @ x if ctx.needs_input_grad[3] else None
+        grad_b = (grad.t() @ h).mul_(ctx.scale) if ctx.needs_input_grad[4] else None
+        return grad_x, None, None, grad_a, grad_b, None
 
 
 __all__ = ["CU_SEQLENS_KEY", "VARLEN_ATTENTION", "apply_liger", "fuse_lora", "liger_available", "packed_cu_seqlens", "resolve_attention",
