@@ -113,6 +113,12 @@ SUITES: dict[str, list[Run]] = {
     "scaling-0.5b": _suite_scaling("qwen2.5-0.5b", mb=4, steps=20, gpus=2)[:-1],
     "scaling-7b-4gpu": _suite_scaling("qwen2.5-7b", mb=1, steps=10, gpus=4)[:-1],
     "zero3-7b": _suite_zero3("qwen2.5-7b", gpus=2),
+    # 7B on one GPU: ZeRO-2's flat gradient buffers against ZeRO-0's per-tensor optimizer wrapper,
+    # with 1 and 2 packed 4k rows per micro-batch, and a profile of the ZeRO-2 step under torchrun.
+    "single-7b-stages": [Run("zerolab", "qwen2.5-7b", stage=0, steps=12, window=6, timeout_s=240),
+                         Run("zerolab", "qwen2.5-7b", stage=2, steps=12, window=6, timeout_s=240),
+                         Run("zerolab", "qwen2.5-7b", stage=2, micro_batch=2, steps=12, window=6, variant="mb2", timeout_s=240),
+                         Run("zerolab-torchrun", "qwen2.5-7b", stage=2, steps=8, window=4, profile_steps=3, timeout_s=240)],
     # 7B on one GPU with 2 packed 4k rows per micro-batch: twice the work per kernel launch.
     "single-7b-mb2": [Run("zerolab", "qwen2.5-7b", micro_batch=2, steps=12, window=6, variant="mb2", timeout_s=240)],
     # CPU smoke test of the harness itself (tiny model, no GPU): every system runs a few steps.
