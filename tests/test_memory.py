@@ -4,6 +4,7 @@ verdicts, the preflight, the estimate CLI, and (Ray tier) host RSS of a real CPU
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -110,15 +111,82 @@ def test_zero_stages_partition_what_they_should():
     P = T = s0.total_params
     assert s0.device["weights"] == 2 * P and s0.device["optimizer states"] == 8 * T and s0.device["master weights"] == 4 * T
     assert s1.device["optimizer states"] == 8 * -(-T // 4) and s1.device["master weights"] == 4 * -(-T // 4)
-    assert s1.device["gradients"] == 2 * T  # stage 1 keeps whole gradients
-    assert s2.device["gradients"] == 2 * -(-T // 4)
+    # One micro-batch per step and overlap_comm (zero1.json): stage 1 reduces in the backward hooks and
+    # keeps this rank's partition, as stage 2 does.
+    assert s1.device["gradients"] == s2.device["gradients"] == 2 * -(-T // 4)
     assert s2.device["weights"] == s1.device["weights"] == 2 * P
     assert 2 * P / 4 <= s3.device["weights"] < 2 * P / 4 * 1.01
     # Qwen2.5-0.5B is smaller than stage3_max_reuse_distance (1e9 elements): ZeRO-3 keeps every
     # gathered parameter until the backward pass reuses it, so the whole model sits on each GPU.
     assert s3.device["gathered parameters"] >= 2 * P * 0.99
     assert s0.device_peak > s1.device_peak >= s2.device_peak
-    assert s1.device_phases["optimizer step"] > s2.device_phases["optimizer step"]  # whole vs partitioned gradients
+    # Under gradient accumulation stage 1 keeps every gradient whole until the last micro-batch.
+    s1_accum, s2_accum = est(1, **{"train.grad_accum_steps": 2}), est(2, **{"train.grad_accum_steps": 2})
+    assert s1_accum.device["gradients"] == 2 * T and s2_accum.device["gradients"] == 2 * -(-T // 4)
+    assert s1_accum.device_phases["optimizer step"] > s2_accum.device_phases["optimizer step"]
+
+
+def _zero_json(tmp_path: Path, name: str, **zero: object) -> str:
+    """A copy of the shipped DeepSpeed JSON ``name`` with ``zero_optimization`` keys replaced."""
+    import json
+
+    raw = json.loads((Path(ds_config.DS_CONFIG_DIR) / name).read_text())
+    raw["zero_optimization"].update(zero)
+    path = tmp_path / f"{Path(name).stem}-{'-'.join(f'{k}={v}' for k, v in zero.items())}.json"
+    path.write_text(json.dumps(raw))
+    return f"deepspeed.config={path}"
+
+
+def test_zero1_keeps_whole_gradients_unless_its_hooks_reduce_them(tmp_path):
+    """DeepSpeed 0.19's stage 1 reduces gradients in the backward hooks only at the accumulation
+    boundary and only with overlap_comm (``process_gradients``); otherwise every gradient stays whole
+    on the GPU until the boundary, with optimizer offload too (it streams them to the host only then)."""
+    def est(*overrides: str):
+        cfg = load_config(None, ["adapter.method=full", "scaling.use_gpu=true", "scaling.num_workers=2",
+                                 "deepspeed.stage=1", *overrides])
+        return memory.estimate(cfg, QWEN25_05B)
+
+    T = est().trainable_params
+    assert est().device["gradients"] == 2 * -(-T // 2)
+    assert est("deepspeed.offload_optimizer=true").device["gradients"] == 0
+    assert est(_zero_json(tmp_path, "zero1.json", overlap_comm=False)).device["gradients"] == 2 * T
+    accumulating = est("deepspeed.offload_optimizer=true", "train.grad_accum_steps=4")
+    assert accumulating.device["gradients"] == 2 * T
+    # Held from one micro-batch to the next, so the forward/backward phase carries them.
+    single = est("deepspeed.offload_optimizer=true", "train.grad_accum_steps=1")
+    assert accumulating.device_phases["forward/backward"] - single.device_phases["forward/backward"] == 2 * T
+    # Stage 2 reduces every micro-batch: its offloaded gradients accumulate on the host.
+    assert est("deepspeed.stage=2", "deepspeed.offload_optimizer=true", "train.grad_accum_steps=4").device["gradients"] == 0
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero12_optimizer_offload_holds_a_gpu_gradient_buffer_all_along(stage):
+    """``temp_grad_buffer_for_gpu_offload``: the largest trainable parameter in bf16 (0.5B full
+    fine-tuning: the tied embeddings, 151936 × 896), allocated with the optimizer, in every phase."""
+    cfg = load_config(None, ["adapter.method=full", "scaling.use_gpu=true", "scaling.num_workers=2", f"deepspeed.stage={stage}",
+                             "deepspeed.offload_optimizer=true", "model.gradient_checkpointing=false"])
+    est = memory.estimate(cfg, QWEN25_05B)
+    buffer = 2 * 151936 * 896
+    assert est.device["offload gradient buffer"] == buffer
+    assert est.device["master weights"] == est.device["optimizer states"] == est.device["gradients"] == 0
+    d = est.device
+    assert est.device_phases["forward/backward"] == (d["weights"] + buffer + d["framework"] + d["activations"]
+                                                     + d["logits and loss"])
+    assert est.device_phases["optimizer step"] == (d["weights"] + buffer + d["framework"] + d["deepspeed buffers"]
+                                                   + 2 * 151936 * est.batch.micro_batch.tokens)  # the last logits
+    no_offload = memory.estimate(cfg.replace(deepspeed=dataclasses.replace(cfg.deepspeed, offload_optimizer=False)), QWEN25_05B)
+    assert no_offload.device["offload gradient buffer"] == 0
+
+
+def test_zero1_offload_held_out_run_at_the_micro_batches_it_ran():
+    """The held-out run (0.5B full, ZeRO-1 + optimizer offload, 2 × H200, micro-batch 8 padded):
+    its 4 steps met rows of at most 120 tokens (the shard's 481-512-token rows, one in 85, came later),
+    and it measured 4.083 GiB allocated."""
+    cfg = load_config(None, ["adapter.method=full", "scaling.use_gpu=true", "scaling.num_workers=2", "deepspeed.stage=1",
+                             "deepspeed.offload_optimizer=true", "model.gradient_checkpointing=false", "model.kernels=liger",
+                             "train.micro_batch_size=8", "data.max_seq_length=512", "data.packing=false", "train.max_steps=4"])
+    est = memory.estimate(cfg, QWEN25_05B, data=memory.ShardLengths([[120] * 32, [113] * 32]))
+    assert abs(est.device_peak / GIB - 4.083) / 4.083 < 0.02
 
 
 def test_zero3_memory_efficient_linear_keeps_frozen_projection_inputs(tmp_path):
@@ -197,6 +265,24 @@ def test_checkpointing_and_batch_scale_activations():
     assert double.device["activations"] == 2 * plain.device["activations"]
     # The loss region: (e + 12) bytes per token and vocabulary entry.
     assert plain.device["logits and loss"] == 14 * 152064 * tokens
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_adapters_are_created_once_the_model_is_on_its_device(stage, tiny_model_path):
+    """DoRA's set-up reads every wrapped weight to compute its norm. On the host that made the
+    memory-mapped checkpoint resident in each worker (7B, ZeRO-0: 14.4 GiB RSS against LoRA's 6.2;
+    Qwen2.5-1.5B on CPU: +2.43 GiB of file pages, the wrapped projections' bf16 bytes, against +0.05
+    for LoRA). Under ZeRO 0-2 the model is on its device before peft wraps it (the meta device stands
+    in for the GPU here), so the host estimate carries no DoRA term."""
+    from zerolab.train import _build_model
+
+    cfg = load_config(None, [f"model.name_or_path={tiny_model_path}", "adapter.method=dora", f"deepspeed.stage={stage}",
+                             "model.kernels=none"])
+    model = _build_model(cfg, {}, total_steps=10, device=torch.device("meta"))
+    assert any("lora_magnitude_vector" in name for name, _ in model.named_parameters())
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    dora, lora = (memory.estimate(gpu_cfg(f"deepspeed.stage={stage}", f"adapter.method={m}"), QWEN25_7B) for m in ("dora", "lora"))
+    assert dora.host_worker["model loading"] == lora.host_worker["model loading"]
 
 
 # --- formulas against what the CPU allocator really holds ------------------------------------
@@ -477,6 +563,34 @@ def test_padded_worst_micro_batch_is_the_longest_row_times_a_full_batch():
     # A shard smaller than the micro-batch: all of its rows.
     small = memory.worst_micro_batch([[10, 90]], micro_batch_size=16, max_seq_length=128, packing=False)
     assert (small.rows, small.seq_len, small.tokens) == (2, 90, 180)
+
+
+def test_padded_run_of_a_few_steps_takes_the_micro_batches_it_runs():
+    """A short run need not meet its shard's longest row: with the micro-batches it takes given,
+    the padded estimate plans them as the workers do (the held-out 7B run, 3 steps of one row over
+    shards where one row in ten is long, met none and measured what its short rows predict)."""
+    from zerolab.batches import MicroBatches, epoch_order
+
+    lengths = [100] * 40
+    lengths[epoch_order(40, 42, 0)[-1]] = 3000  # the last row epoch 0 visits
+    mb = MicroBatches(rows_of(lengths), micro_batch_size=1, max_seq_length=4096, packing=False, pad_id=0, seed=42)
+    for steps in (3, 39):
+        shapes = [tuple(b.inputs["input_ids"].shape) for b, _ in zip(mb.iterate(), range(steps))]
+        run = memory.worst_micro_batch([lengths], micro_batch_size=1, max_seq_length=4096, packing=False, seed=42,
+                                       num_micro_batches=steps)
+        assert (run.tokens, run.seq_len) == (max(r * s for r, s in shapes), max(s for _, s in shapes)) == (100, 100)
+    # The 40th micro-batch is the long row; a run of unknown length takes the bound.
+    assert memory.worst_micro_batch([lengths], micro_batch_size=1, max_seq_length=4096, packing=False, seed=42,
+                                    num_micro_batches=40).tokens == 3000
+    assert memory.worst_micro_batch([lengths], micro_batch_size=1, max_seq_length=4096, packing=False).tokens == 3000
+    # ShardLengths counts the run's micro-batches from train.max_steps (or its epochs) as zerolab.train does.
+    def shape(*overrides: str):
+        cfg = load_config(None, ["train.micro_batch_size=1", "data.max_seq_length=4096", "data.packing=false", *overrides])
+        return memory.ShardLengths([lengths]).batch_shape(cfg).micro_batch
+
+    assert shape("train.max_steps=3").tokens == 100
+    assert shape("train.max_steps=20", "train.grad_accum_steps=2").tokens == 3000
+    assert shape("train.num_epochs=1").tokens == 3000
 
 
 def test_uneven_shards_take_the_largest_over_ranks():

@@ -334,12 +334,14 @@ def worst_micro_batch(lengths_by_rank: Sequence[Sequence[int]], *, micro_batch_s
     widest micro-batch; they can come from different micro-batches, so the pair bounds both the
     per-token and the per-token × length terms of the estimate.
 
-    - ``shuffled`` without packing (training): every epoch visits the rows in a new order, so the
-      longest row of a shard meets a full micro-batch sooner or later: min(micro_batch_size, rows)
-      × the longest row, whatever the order.
-    - ``shuffled`` with packing: which rows share a sequence depends on the order, so each rank's
-      epochs are planned from ``seed`` (``zerolab.batches.epoch_order``) until ``num_micro_batches``
-      micro-batches (one epoch when None), the stream the run takes.
+    - ``shuffled`` (training) with ``num_micro_batches``: each rank's epochs are planned from
+      ``seed`` (``zerolab.batches.epoch_order``) for the ``num_micro_batches`` micro-batches the run
+      takes, the stream its workers will run. A short run need not meet the longest row at all (3 steps
+      of one row each over a shard where one row in ten is long: most such runs see none).
+    - ``shuffled`` without packing and without ``num_micro_batches``: a run of unknown length, bounded
+      by min(micro_batch_size, rows) × the longest row (whatever the order, no padded micro-batch
+      is larger, and over enough epochs one reaches it).
+    - ``shuffled`` with packing and without ``num_micro_batches``: one epoch planned.
     - not ``shuffled`` (evaluation: one pass in file order): the micro-batches of that pass.
     """
     from zerolab.batches import epoch_order, plan_micro_batches
@@ -350,8 +352,9 @@ def worst_micro_batch(lengths_by_rank: Sequence[Sequence[int]], *, micro_batch_s
         lengths = [int(n) for n in lengths]
         if not lengths:
             continue
-        if shuffled and not packing:
-            candidates = [MicroBatch(min(micro_batch_size, len(lengths)), max(lengths), 0)]
+        bound = MicroBatch(min(micro_batch_size, len(lengths)), max(lengths), 0)
+        if shuffled and not packing and num_micro_batches is None:
+            candidates = [bound]
         else:
             candidates = []
             epoch, planned = 0, 0
@@ -359,10 +362,15 @@ def worst_micro_batch(lengths_by_rank: Sequence[Sequence[int]], *, micro_batch_s
                 order = epoch_order(len(lengths), seed, epoch) if shuffled else list(range(len(lengths)))
                 plan = plan_micro_batches(lengths, order, micro_batch_size=micro_batch_size, max_seq_length=max_seq_length,
                                           packing=packing)
-                candidates += [MicroBatch(len(b), max(sum(lengths[i] for i in seq) for seq in b), 0) for b in plan]
+                if shuffled and num_micro_batches is not None:
+                    plan = plan[: num_micro_batches - planned]
+                batches = [MicroBatch(len(b), max(sum(lengths[i] for i in seq) for seq in b), 0) for b in plan]
+                candidates += batches
                 planned += len(plan)
                 epoch += 1
-                if not shuffled or num_micro_batches is None or planned >= num_micro_batches or not plan:
+                # Padded, no micro-batch exceeds the bound: once one reaches it, later epochs add nothing.
+                reached = not packing and bound in batches
+                if not shuffled or num_micro_batches is None or planned >= num_micro_batches or not plan or reached:
                     break
         for c in candidates:
             widest = max(widest, c.seq_len)
@@ -414,18 +422,20 @@ class ShardLengths:
         return len(self.train)
 
     def batch_shape(self, cfg: SFTConfig) -> BatchShape:
-        """The largest micro-batch of ``cfg``'s training run over these shards (its packed epochs
-        are planned for the micro-batches the run takes, as ``zerolab.train`` counts its steps) and
-        of its evaluation pass, and the largest shard."""
+        """The largest micro-batch of ``cfg``'s training run over these shards (its epochs are
+        planned for the micro-batches the run takes, as ``zerolab.train`` counts its steps) and of
+        its evaluation pass, and the largest shard."""
         t, d = cfg.train, cfg.data
         key = (t.micro_batch_size, d.max_seq_length, d.packing, t.seed, t.max_steps, t.num_epochs, t.grad_accum_steps)
         if key not in self._cache:
-            consumed = None
-            if d.packing:
-                # zerolab.train._total_steps: max_steps, or epochs × the smallest rank's steps per epoch.
-                per_epoch = min(len(_epoch0_plan(r, t.micro_batch_size, d.max_seq_length, t.seed)) for r in self.train)
-                steps = t.max_steps or max(1, t.num_epochs * (per_epoch // t.grad_accum_steps))
-                consumed = steps * t.grad_accum_steps
+            # zerolab.train._total_steps: max_steps, or epochs × the smallest rank's steps per epoch.
+            if t.max_steps:
+                steps = t.max_steps
+            else:
+                per_epoch = min(len(_epoch0_plan(r, t.micro_batch_size, d.max_seq_length, t.seed)) if d.packing
+                                else math.ceil(len(r) / t.micro_batch_size) for r in self.train)
+                steps = max(1, t.num_epochs * (per_epoch // t.grad_accum_steps))
+            consumed = steps * t.grad_accum_steps
             train = worst_micro_batch(self.train, micro_batch_size=t.micro_batch_size, max_seq_length=d.max_seq_length,
                                       packing=d.packing, seed=t.seed, num_micro_batches=consumed)
             evals = worst_micro_batch(self.eval, micro_batch_size=t.micro_batch_size, max_seq_length=d.max_seq_length,
@@ -594,7 +604,8 @@ class Estimate:
     trainable_params: int
     device: dict[str, int]
     """Per worker: weights, gathered parameters (ZeRO-3), gradients, master weights, optimizer
-    states, activations, logits and loss, DeepSpeed buffers, framework overhead."""
+    states, activations, logits and loss, DeepSpeed buffers, the offload gradient buffer (ZeRO 1-2
+    with optimizer offload), framework overhead."""
     device_phases: dict[str, int]
     """Live device bytes at the moments that can peak: init, forward/backward, optimizer step."""
     device_outside_allocator: dict[str, int]
@@ -984,28 +995,48 @@ class _Estimator:
         return states
 
     def gradients(self) -> int:
-        """Gradients alive after the backward pass. ZeRO-0 and 1: every trainable parameter's
-        gradient, T·e. ZeRO-2: this rank's partition, ⌈T/N⌉·e. ZeRO-3: the flat partition buffer,
-        ⌈T/N⌉·e. Under optimizer offload ZeRO 1-3 stream partitions to host (see host rows)."""
-        if self.stage <= 1 and not self.offload_opt:
+        """Gradients alive after the backward pass (DeepSpeed 0.19, ``stage_1_and_2.py``).
+
+        ZeRO-0: every trainable parameter's gradient, T·e. ZeRO-2 (``partition_gradients``): each
+        gradient is reduced in the backward hooks as it is produced; this rank's partition is kept,
+        ⌈T/N⌉·e (``copy_grads_in_partition`` into ``grads_in_partition``), or streamed to the host under
+        optimizer offload (0). ZeRO-1 reduces in the hooks only at the accumulation boundary and only
+        with ``overlap_comm`` (``process_gradients``, ``reduce_ready_partitions_and_remove_grads``) and
+        with ``contiguous_gradients`` (which offload forces on) points the other ranks' gradients into
+        the reduce buckets: then as ZeRO-2; otherwise — micro-batches before the boundary under gradient
+        accumulation, or ``overlap_comm`` off — every gradient stays whole on the GPU, T·e, with or
+        without offload. ZeRO-3: the flat partition buffer, ⌈T/N⌉·e (0 under offload)."""
+        if self.stage == 0:
             return self.T * self.e
+        if self.stage == 1:
+            k = self.knobs
+            reduced_in_hooks = k.overlap_comm and self.cfg.train.grad_accum_steps == 1
+            if not reduced_in_hooks or not (k.contiguous_gradients or self.offload_opt):
+                return self.T * self.e
         if self.offload_opt:
             return 0
         return self._part(self.T) * self.e
+
+    def offload_gradient_buffer(self) -> int:
+        """ZeRO 1-2 with optimizer offload: the GPU buffer through which each gradient goes to the host,
+        ``temp_grad_buffer_for_gpu_offload``, as large as the largest trainable parameter (e bytes
+        each), allocated with the optimizer and held for the whole run."""
+        return self._largest_trainable() * self.e if self.offload_opt and self.stage in (1, 2) else 0
 
     def deepspeed_buffers(self) -> int:
         """Reduction and staging buffers at the optimizer step. ZeRO-0, N > 1: the flattened bucket
         of the gradient all-reduce, min(T, 5e8)·e; in bf16/fp16 the fp32 gradient copies the step
         reads, 4·T. ZeRO 1-2: reduce buckets (two with overlap_comm) of reduce_bucket_size·e and the
         fp32 gradient partition of the step, 4·⌈T/N⌉. ZeRO-3: one reduce bucket and the fp32
-        gradient partition. Offload: buckets plus a staging buffer of the largest parameter."""
+        gradient partition. Offload: the buckets only (the gradient staging buffer is held all along:
+        :meth:`offload_gradient_buffer`)."""
         e, k = self.e, self.knobs
         if self.stage == 0:
             allreduce = min(self.T, 500_000_000) * e if self.n > 1 else 0
             return allreduce + (4 * self.T if e != 4 else 0)
         buckets = (2 if k.overlap_comm and self.stage < 3 else 1) * min(k.reduce_bucket_size, max(self.T, 1)) * e
         if self.offload_opt:
-            return buckets + (self._largest_trainable() * e if self.stage < 3 else 0)
+            return buckets
         return buckets + 4 * self._part(self.T)
 
     def activation_bytes_per_layer(self) -> int:
@@ -1145,7 +1176,8 @@ class _Estimator:
         return self.cal.framework_device_bytes if self.gpu else 0
 
     def device(self) -> tuple[dict[str, int], dict[str, int]]:
-        """Components and phases. Persistent = weights + master + optimizer states + framework.
+        """Components and phases. Persistent = weights + master + optimizer states + the offload
+        gradient buffer + framework.
         Forward/backward = persistent + gathered + saved activations + max(loss region, recomputed
         layer + logits, DoRA transient) (+ gradients held across accumulation steps, and ZeRO-3's
         gradient partition buffer, allocated at init). Optimizer
@@ -1167,9 +1199,10 @@ class _Estimator:
             "activations": saved + recompute,
             "logits and loss": max(self.logits_and_loss(), self.dora_transient()),
             "deepspeed buffers": self.deepspeed_buffers(),
+            "offload gradient buffer": self.offload_gradient_buffer(),
             "framework": self.framework(),
         }
-        persistent = c["weights"] + c["master weights"] + c["optimizer states"] + c["framework"]
+        persistent = c["weights"] + c["master weights"] + c["optimizer states"] + c["offload gradient buffer"] + c["framework"]
         held_grads = c["gradients"] if self.stage == 3 or self.cfg.train.grad_accum_steps > 1 else 0
         # The loss region comes at the end of the forward pass; a recomputed layer (checkpointing) and
         # DoRA's weight-norm temporaries come while every saved activation is alive, but not with it.
@@ -1206,6 +1239,8 @@ class _Estimator:
         base_params = sum(p.total for p in self.inv if not p.adapter)
         file_bytes = self.shape.weights_bytes_per_param or e
         # The checkpoint's pages as they are read, plus a converted private copy when dtypes differ.
+        # Under ZeRO 0-2 on GPU peft wraps the model once it is on the GPU (zerolab.train._build_model),
+        # so DoRA's weight-norm set-up reads no checkpoint pages on the host and costs what LoRA does.
         factor = cal.host_load_factor_gpu if self.gpu and self.stage < 3 else cal.host_load_factor
         load = int(base_params * (file_bytes + (e if file_bytes != e else 0)) * factor)
 

@@ -75,7 +75,7 @@ def train_loop_per_worker(config: dict) -> None:
 
     tokenizer = load_tokenizer(cfg.model)
     batches.pad_id = tokenizer.pad_token_id
-    model = _build_model(cfg, ds_config, total_steps)
+    model = _build_model(cfg, ds_config, total_steps, device=device)
     model_ready = time.perf_counter()
     trainable, total = adapters.parameter_counts(model)
     log_rank0("model %s: %s trainable of %s parameters (%.3f%%), method %s, ZeRO-%d%s, world %d",
@@ -207,7 +207,11 @@ def _total_steps(cfg: SFTConfig, batches_per_epoch: int, device: torch.device) -
     return max(1, cfg.train.num_epochs * (int(n.item()) // cfg.train.grad_accum_steps))
 
 
-def _build_model(cfg: SFTConfig, ds_config: dict, total_steps: int) -> torch.nn.Module:
+def _build_model(cfg: SFTConfig, ds_config: dict, total_steps: int, device: torch.device | None = None) -> torch.nn.Module:
+    """The model with its adapter. Under ZeRO 0-2 it is moved to ``device`` (where
+    ``deepspeed.initialize`` would move it) before peft wraps it: DoRA's set-up reads every wrapped
+    weight to compute its norm, which on the host made the whole memory-mapped checkpoint resident
+    in each worker (7B: 14.4 GiB RSS against LoRA's 6.2)."""
     dtype = DTYPES[cfg.precision()]
     if cfg.deepspeed.stage == 3:
         # Keeps a global reference that makes from_pretrained partition weights as they load
@@ -226,6 +230,8 @@ def _build_model(cfg: SFTConfig, ds_config: dict, total_steps: int) -> torch.nn.
     model.config.use_cache = False
     if cfg.model.gradient_checkpointing and cfg.adapter.is_peft():
         model.enable_input_require_grads()
+    if device is not None and cfg.deepspeed.stage < 3:  # ZeRO-3 partitioned the weights as they loaded
+        model.to(device)
     model = adapters.apply_adapter(model, cfg.adapter, total_steps)
     if cfg.model.kernels != "none":
         kernels.fuse_lora(model)
