@@ -214,3 +214,16 @@ def test_killed_sweep_resumes_without_repeating_finished_trials(tmp_path, tiny_m
     assert parent.info.status == "FINISHED"
     assert sorted(c.info.run_name for c in children) == sorted(set(c.info.run_name for c in children))  # no duplicates
     assert len(children) == 3 and all(c.info.status == "FINISHED" for c in children)
+
+
+def test_the_space_is_checked_on_draws_from_tunes_own_domains():
+    """Validation draws from the Tune domains the search uses (randint's exclusive upper bound,
+    loguniform's range), and every categorical value is checked even where few points are drawn."""
+    sweep = tune.parse_sweep({"search": "random", "num_samples": 4,
+                              "space": {"train.micro_batch_size": {"randint": [1, 3]}, "train.lr": {"loguniform": [1e-5, 1e-3]},
+                                        "deepspeed.zero": {"choice": ["0", "2", "3", "3+all"]}}}, KEYS)
+    points = sweep.samples(2)
+    assert {p["train.micro_batch_size"] for p in sweep.samples(64)} == {1, 2}
+    assert all(1e-5 <= p["train.lr"] <= 1e-3 for p in points)
+    assert {p["deepspeed.zero"] for p in points} == {"0", "2", "3", "3+all"}
+    assert all(type(p["train.micro_batch_size"]) is int and type(p["train.lr"]) is float for p in points)

@@ -5,8 +5,9 @@ function, whose first act is to import DeepSpeed, transformers and peft (about 2
 host, measured in docs/benchmark.md). ``start`` is the job's ``worker_process_setup_hook`` (Ray
 runs it in every worker process of the job); in the training workers, which Ray Train starts with
 ``ZEROLAB_PRELOAD`` set, it runs those imports in a background thread while Ray Train is still forming the worker group, so
-the train function finds them loaded. A failure here changes nothing: the train function imports
-the same modules itself (Python's per-module import locks make the two safe to overlap).
+the train function finds them loaded. ``zerolab.train`` waits for the thread before its own
+imports (transformers' lazily loaded attributes are not safe to import from two threads at
+once), and a failure here changes nothing: the train function then imports what is missing.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import threading
 
 HOOK = "zerolab.preload.start"
 ENV_VAR = "ZEROLAB_PRELOAD"
-MODULES = ("torch", "transformers", "transformers.models.auto.modeling_auto", "peft", "deepspeed", "zerolab.train")
+MODULES = ("torch", "transformers", "transformers.models.auto.modeling_auto", "peft", "deepspeed")
+_thread: threading.Thread | None = None
 
 
 def _load() -> None:
@@ -29,6 +31,14 @@ def _load() -> None:
 
 
 def start() -> None:
+    global _thread
     if os.environ.get(ENV_VAR) != "1":
         return
-    threading.Thread(target=_load, name="zerolab-preload", daemon=True).start()
+    _thread = threading.Thread(target=_load, name="zerolab-preload", daemon=True)
+    _thread.start()
+
+
+def wait() -> None:
+    """Until the preloading thread (if this process started one) is done."""
+    if _thread is not None and _thread is not threading.current_thread():
+        _thread.join()

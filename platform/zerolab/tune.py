@@ -27,12 +27,12 @@ import difflib
 import itertools
 import logging
 import math
-import random
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import yaml
 from ray.tune import Callback
 
@@ -75,16 +75,6 @@ class Dimension:
         low, high = self.values
         return {"uniform": tune.uniform, "loguniform": tune.loguniform, "randint": tune.randint}[self.kind](low, high)
 
-    def sample(self, rng: random.Random) -> Any:
-        if self.kind in ("grid", "choice"):
-            return rng.choice(self.values)
-        low, high = self.values
-        if self.kind == "uniform":
-            return rng.uniform(low, high)
-        if self.kind == "loguniform":
-            return math.exp(rng.uniform(math.log(low), math.log(high)))
-        return rng.randrange(low, high)
-
 
 @dataclass(frozen=True)
 class Sweep:
@@ -108,11 +98,20 @@ class Sweep:
         return [dict(combo) for combo in itertools.product(*axes)] if axes else [{}]
 
     def samples(self, n: int = 32) -> list[dict[str, Any]]:
-        """Configs a search would try: the full grid, or ``n`` random draws of the space."""
+        """The points to check before a sweep starts: the full grid, or ``n`` draws from the same
+        Tune domains the search samples (so the check sees Tune's own distributions, bounds and
+        rounding), with every value of a grid or choice dimension in at least one of them."""
         if self.search == "grid" and all(d.kind == "grid" for d in self.space):
             return self.grid_points()
-        rng = random.Random(self.seed)
-        return [{d.key: d.sample(rng) for d in self.space} for _ in range(n)]
+        rng = np.random.default_rng(self.seed)
+        domains = {d.key: d.tune_domain() for d in self.space}
+        draws = {key: list(domain["grid_search"]) if isinstance(domain, dict) else list(np.atleast_1d(domain.sample(size=n, random_state=rng)))
+                 for key, domain in domains.items()}
+        points = [{k: v[i % len(v)] for k, v in draws.items()} for i in range(n)]
+        for d in self.space:  # each categorical value at least once, whatever n
+            if d.kind in ("grid", "choice"):
+                points += [{**points[0], d.key: v} for v in d.values if all(p[d.key] != v for p in points)]
+        return [{k: v.item() if isinstance(v, np.generic) else v for k, v in p.items()} for p in points]
 
 
 DEFAULT_SWEEP: dict[str, Any] = {
