@@ -1,7 +1,9 @@
 """The worker's training step on a real 2-rank DeepSpeed engine (gloo, CPU): one optimizer step
 applies the token mean gradient over every micro-batch of both ranks whatever the ZeRO stage, and
 reports that gradient's norm under ZeRO-0; AdamW's first bf16 step is a full step on every stage;
-the fused loss reads ZeRO-3's partitioned head; leftovers of interrupted op builds are cleared."""
+the fused loss reads ZeRO-3's partitioned head; ZeRO-3 with the decoder layers as leaf modules
+trains as per-module ZeRO-3 and ZeRO-2 do and gathers each layer in one collective; leftovers of
+interrupted op builds are cleared."""
 
 from __future__ import annotations
 
@@ -156,6 +158,191 @@ def test_fused_loss_reads_the_zero3_partitioned_head():
     for got, expected, head_shape in results.values():
         assert got == pytest.approx(expected, rel=1e-5)
         assert 0 in head_shape  # partitioned again after the loss
+
+
+LEAF_VARIANTS = {"ZeRO-2": (2, False), "ZeRO-3": (3, False), "ZeRO-3 leaf layers": (3, True)}
+
+
+def leaf_config(stage: int, leaf: bool, method: str, gradient_checkpointing: bool) -> tuple:
+    """zerolab's config and resolved DeepSpeed JSON for 2 ranks. Under ZeRO-3 nothing is prefetched
+    or kept for reuse, so every frozen weight is released after each use and gathered again (in the
+    backward pass and in the recomputation of gradient checkpointing)."""
+    from transformers import AutoConfig
+
+    from zerolab import ds_config
+    from zerolab.config import load_config
+    from zerolab.models import build_tiny_model
+
+    cfg = load_config(None, [f"deepspeed.stage={stage}", f"deepspeed.z3_leaf_layers={str(leaf).lower()}", f"adapter.method={method}",
+                             f"model.gradient_checkpointing={str(gradient_checkpointing).lower()}", "adapter.dropout=0",
+                             "train.micro_batch_size=2", f"train.grad_accum_steps={ACCUM}", "train.lr=1e-2", "train.warmup_ratio=0",
+                             "train.lr_scheduler=constant"])
+    resolved = ds_config.resolve(cfg, AutoConfig.from_pretrained(build_tiny_model()).hidden_size)
+    if stage == 3:
+        resolved["zero_optimization"].update(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0)
+    return cfg, resolved
+
+
+def leaf_worker(rank: int, method: str, gradient_checkpointing: bool, port: int, results: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                      DS_ACCELERATOR="cpu")
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    for name, (stage, leaf) in LEAF_VARIANTS.items():  # ZeRO-2 first: _build_model keeps ZeRO-3's HfDeepSpeedConfig
+        trained = train_variant(rank, stage, leaf, method, gradient_checkpointing)
+        if rank == 0:
+            results[name] = trained
+
+
+def train_variant(rank: int, stage: int, leaf: bool, method: str, gradient_checkpointing: bool) -> tuple:
+    """The losses of two optimizer steps, then the trainable parameters' gradients of a third and
+    the weights after it."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    from zerolab.train import _build_model, initialize_engine, optimizer_step
+
+    cfg, resolved = leaf_config(stage, leaf, method, gradient_checkpointing)
+    torch.manual_seed(0)
+    engine = initialize_engine(_build_model(cfg, resolved, total_steps=10), cfg, resolved, total_steps=10)
+    engine.train()
+    trainable = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    grads: dict[str, torch.Tensor] = {}
+    step = engine.step
+
+    def step_keeping_grads():
+        if engine.is_gradient_accumulation_boundary():
+            grads.update({n: safe_get_full_grad(p).detach().float().clone() for n, p in trainable})
+        step()
+
+    losses = [optimizer_step(engine, micro_batches(rank), torch.device("cpu"))[0].item() for _ in range(2)]
+    engine.step = step_keeping_grads
+    optimizer_step(engine, micro_batches(rank), torch.device("cpu"))
+    with deepspeed.zero.GatheredParameters([p for _, p in trainable], enabled=stage == 3):
+        weights = {n: p.detach().float().clone() for n, p in trainable}
+    engine.destroy()
+    return losses, grads, weights
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize("gradient_checkpointing", [False, True], ids=["no-checkpointing", "checkpointing"])
+def test_zero3_leaf_layers_train_as_per_module_zero3_and_zero2(method, gradient_checkpointing):
+    """Gradients of leaf parameters are reduced by one hook per layer after its backward pass; the
+    first layer's input comes from frozen embeddings under LoRA, where that hook would fire before
+    the layer's backward had produced them (the gradients then arrive after the reduction)."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(leaf_worker, args=(method, gradient_checkpointing, free_port(), results), nprocs=2)
+        results = dict(results)
+    losses, grads, weights = results["ZeRO-3 leaf layers"]
+    layer0 = [n for n in grads if ".layers.0." in n]
+    assert layer0 and len(grads) > len(layer0)
+    for reference in ("ZeRO-3", "ZeRO-2"):
+        ref_losses, ref_grads, ref_weights = results[reference]
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        assert grads.keys() == ref_grads.keys()
+        for n, g in ref_grads.items():
+            # Summation order differs between the stages (~2e-5 of the largest element in fp32).
+            torch.testing.assert_close(grads[n], g, rtol=1e-3, atol=2e-4 * g.abs().max().item(), msg=f"{reference}: {n}")
+            # lr 1e-2: a weight AdamW moves by the wrong gradient is off by about that much.
+            torch.testing.assert_close(weights[n], ref_weights[n], rtol=0, atol=1e-3, msg=f"{reference}: {n}")
+
+
+def gather_count_worker(rank: int, port: int, results: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                      DS_ACCELERATOR="cpu")
+    import deepspeed
+    import deepspeed.comm
+    from deepspeed.utils import z3_leaf_module
+
+    from zerolab.models import decoder_layers
+    from zerolab.train import _build_model, initialize_engine, optimizer_step
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    cfg, resolved = leaf_config(3, True, "lora", False)
+    engine = initialize_engine(_build_model(cfg, resolved, total_steps=10), cfg, resolved, total_steps=10)
+    layers = decoder_layers(engine.module)
+    gathers = []
+    allgather = deepspeed.comm.allgather_fn
+
+    def counted(*args, **kwargs):
+        gathers.append(1)
+        return allgather(*args, **kwargs)
+
+    engine.train()
+    # DeepSpeed keeps the persistent parameters (norms, adapters) gathered once it has recorded a
+    # step's module trace; until then it gathers and releases them with the rest.
+    for _ in range(2):
+        optimizer_step(engine, micro_batches(rank), torch.device("cpu"))
+    deepspeed.comm.allgather_fn = counted
+    with torch.no_grad():
+        engine(**micro_batches(rank)[0].inputs)
+    deepspeed.comm.allgather_fn = allgather
+    # DeepSpeed registered them as leaves at initialize: each parameter knows its leaf.
+    registered = all(z3_leaf_module(m) and all(p.ds_z3_leaf_module is m for p in m.parameters()) for m in layers)
+    results[rank] = (len(layers), registered, len(gathers))
+
+
+@pytest.mark.slow
+def test_zero3_gathers_each_decoder_layer_in_one_collective():
+    """A forward pass with nothing prefetched or reused gathers the embedding, each decoder layer's
+    partitioned weights in one collective, and the tied head (per module: 22 collectives, the
+    tiny model's layers having five partitioned weights each)."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(gather_count_worker, args=(free_port(), results), nprocs=2)
+        results = dict(results)
+    for num_layers, registered, gathers in results.values():
+        assert num_layers == 4 and registered
+        assert gathers == num_layers + 2
+
+
+def test_decoder_layers_are_the_repeated_blocks_under_peft_and_around_experts(tiny_model_path):
+    from zerolab import adapters
+    from zerolab.config import AdapterSpec, ModelSpec
+    from zerolab.models import decoder_layers, load_model
+
+    model = adapters.apply_adapter(load_model(ModelSpec(), torch.float32), AdapterSpec(r=4), total_steps=1)
+    assert decoder_layers(model) == list(model.base_model.model.model.layers)
+
+    class MoELayer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(8))  # longer, fewer parameters
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(MoELayer() for _ in range(2))
+
+    stack = Stack()
+    assert decoder_layers(stack) == list(stack.layers)
+
+
+def test_leaf_layers_get_an_input_that_requires_grad(tiny_model_path):
+    """LoRA's frozen embeddings give the first layer an input without a gradient: DeepSpeed's
+    gradient reduction hook on the leaf would then fire before the layer's backward pass."""
+    from deepspeed.utils import z3_leaf_module
+
+    from zerolab import adapters
+    from zerolab.config import AdapterSpec, ModelSpec
+    from zerolab.models import load_model
+    from zerolab.train import make_zero3_leaf_layers
+
+    model = adapters.apply_adapter(load_model(ModelSpec(), torch.float32), AdapterSpec(r=4), total_steps=1)
+    layers = make_zero3_leaf_layers(model)
+    assert len(layers) == 4 and all(z3_leaf_module(m) for m in layers)
+    assert not any(z3_leaf_module(m) for m in model.modules() if m not in layers)
+    seen = []
+    layers[0].register_forward_pre_hook(lambda m, args: seen.append(args[0].requires_grad))
+    model(torch.tensor([[1, 5, 9]]))
+    with torch.no_grad():
+        model(torch.tensor([[1, 5, 9]]))
+    assert seen == [True, False]
+    with pytest.raises(RuntimeError, match="deepspeed.z3_leaf_layers=false"):
+        layers[1](hidden_states=torch.zeros(1, 3, 128))
 
 
 def test_stale_build_locks_are_removed_and_live_ones_kept(tmp_path, monkeypatch):

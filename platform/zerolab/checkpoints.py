@@ -45,7 +45,7 @@ RESUME_SAFE_KEYS = {
     "train.log_every_n_steps", "train.checkpoint_every_n_steps", "train.keep_checkpoints",
     "run.max_failures", "run.storage_path", "run.max_wall_time_s", "tracking.uri", "tracking.experiment",
     "scaling.cpus_per_worker", "scaling.placement_strategy", "model.attn_implementation",
-    "model.gradient_checkpointing", "deepspeed.config",
+    "model.gradient_checkpointing", "deepspeed.config", "deepspeed.z3_leaf_layers",
 }
 """Keys a relaunch may change without changing what is trained (or what the checkpoint holds)."""
 

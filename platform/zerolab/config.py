@@ -147,6 +147,8 @@ class DeepSpeedSpec:
     """Keep parameters in host memory; stage 3 only."""
     config: str | None = None
     """DeepSpeed JSON to use; empty: the file in `ds_configs/` that matches stage and offload."""
+    z3_leaf_layers: bool = True
+    """ZeRO-3: gather each decoder layer's parameters in one collective, with one hook per layer instead of one per weight (DeepSpeed leaf modules); false: per module."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -219,6 +219,20 @@ def load_model(spec: ModelSpec, dtype: torch.dtype) -> PreTrainedModel:
     return model
 
 
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks: the children of the ``nn.ModuleList`` of one module class that
+    holds the most parameters (a causal LM's decoder layers, inside a peft wrapper too; not the
+    experts list within a mixture-of-experts layer, which holds fewer); empty if there is none."""
+    best: list[torch.nn.Module] = []
+    most = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1:
+            n = sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters())
+            if n > most:
+                best, most = list(module), n
+    return best
+
+
 def linear_module_names(spec: ModelSpec, config: Any = None) -> set[str]:
     """Names (last path component) of the model's nn.Linear modules, built on the meta device from
     ``config`` (a transformers config, or a dict of one) when given, else from the model's own."""
