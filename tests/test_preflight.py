@@ -9,7 +9,6 @@ import json
 import logging
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -86,32 +85,3 @@ def test_a_jobs_plan_resolves_model_data_and_deepspeed_once(ray_cluster, tmp_pat
     assert all(split.from_cache for split in second.splits.values())
     assert {k: r.fingerprint for k, r in second.reports.items()} == {k: r.fingerprint for k, r in first.reports.items()}
 
-
-def test_training_workers_import_their_libraries_while_ray_train_starts_them(ray_cluster, tmp_path, tiny_model_path):
-    """The job's setup hook starts DeepSpeed's, transformers' and peft's imports in the processes
-    the trainer starts its workers in (ZEROLAB_PRELOAD in their runtime_env), and nowhere else."""
-    import ray
-
-    from zerolab import preload
-    from zerolab.config import load_config
-    from zerolab.run import build_trainer, plan_job
-
-    trainer = build_trainer(plan_job(load_config(None, tiny_overrides(tmp_path, **{"train.max_steps": 2}))), None, None)
-    env = trainer.run_config.worker_runtime_env["env_vars"]
-    assert env[preload.ENV_VAR] == "1"
-
-    @ray.remote(num_cpus=0)
-    class Probe:
-        def loaded(self) -> tuple[bool, bool]:
-            import sys
-            import threading
-
-            deadline = time.time() + 120
-            preloading = any(t.name == "zerolab-preload" for t in threading.enumerate())
-            while preloading and "deepspeed" not in sys.modules and time.time() < deadline:
-                time.sleep(0.2)
-            return preloading, "deepspeed" in sys.modules
-
-    worker, other = Probe.options(runtime_env={"env_vars": env}).remote(), Probe.remote()
-    assert ray.get(worker.loaded.remote()) == (True, True)
-    assert ray.get(other.loaded.remote()) == (False, False)

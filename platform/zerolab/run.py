@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 import zerolab
-from zerolab import ds_config, preload, tracking
+from zerolab import ds_config, tracking
 from zerolab.cadence import STOPPED_AT_DEADLINE
 from zerolab.checkpoints import RunFolder, RunRecord, location, prepare_run_folder
 from zerolab.config import ConfigError, SFTConfig
@@ -389,7 +389,7 @@ def connect_ray(cfg: SFTConfig, *, log_to_driver: bool = True) -> None:
 
     # ds_configs/ travels too: a Tune trial resolves its DeepSpeed JSON on whichever node it runs.
     modules = [str(Path(zerolab.__file__).parent), *([str(DS_CONFIG_DIR)] if DS_CONFIG_DIR.is_dir() else [])]
-    runtime_env = {"py_modules": modules, "env_vars": env_vars, "worker_process_setup_hook": preload.HOOK}
+    runtime_env = {"py_modules": modules, "env_vars": env_vars}
     # Under `ray job submit` RAY_ADDRESS names the cluster; otherwise start a fresh local instance
     # rather than joining whatever `ray start` left registered on this machine.
     address = os.environ.get("RAY_ADDRESS") or "local"
@@ -759,8 +759,6 @@ def build_trainer(plan: JobPlan, uri: str | None, run_id: str | None, stop_flag:
             failure_config=FailureConfig(max_failures=cfg.run.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
             callbacks=[TuneReportCallback()] if in_tune else None,
-            # The workers import DeepSpeed, transformers and peft while Ray Train forms their group.
-            worker_runtime_env={"env_vars": {preload.ENV_VAR: "1"}},
         ),
         datasets=shards,
         dataset_config=data_config,

@@ -12,10 +12,6 @@ and DeepSpeed's average over ranks completes the mean.
 
 from __future__ import annotations
 
-from zerolab import preload
-
-preload.wait()  # a training worker's own imports start once its preloading thread is done
-
 import contextlib
 import logging
 import math
