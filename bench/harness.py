@@ -56,6 +56,8 @@ class Run:
     ds_settings: str = "tuned"
     """ZeRO-3 bucket settings: ``tuned`` (zerolab's) or ``hf-defaults`` (Hugging Face's "auto" values)."""
     timeout_s: int = 420
+    overrides: tuple[str, ...] = ()
+    """Job config overrides of this run (``KEY=VALUE``), after the ones above."""
     profile_steps: int = 0
     """zerolab-torchrun: profile this many steps after the measured ones (printed to runs.log)."""
 
@@ -119,6 +121,10 @@ SUITES: dict[str, list[Run]] = {
                          Run("zerolab", "qwen2.5-7b", stage=2, steps=12, window=6, timeout_s=240),
                          Run("zerolab", "qwen2.5-7b", stage=2, micro_batch=2, steps=12, window=6, variant="mb2", timeout_s=240),
                          Run("zerolab-torchrun", "qwen2.5-7b", stage=2, steps=8, window=4, profile_steps=3, timeout_s=240)],
+    # ZeRO-3's decoder layers as DeepSpeed leaf modules (one gather and one hook per layer) or not.
+    "zero3-leaf-7b": [Run("zerolab", "qwen2.5-7b", stage=3, steps=10, window=5, variant="leaf", timeout_s=240),
+                      Run("zerolab", "qwen2.5-7b", stage=3, steps=10, window=5, variant="noleaf", timeout_s=240,
+                          overrides=("deepspeed.z3_leaf_layers=false",))],
     # 7B on one GPU with 2 packed 4k rows per micro-batch: twice the work per kernel launch.
     "single-7b-mb2": [Run("zerolab", "qwen2.5-7b", micro_batch=2, steps=12, window=6, variant="mb2", timeout_s=240)],
     # CPU smoke test of the harness itself (tiny model, no GPU): every system runs a few steps.
@@ -164,6 +170,7 @@ def zerolab_overrides(run: Run, ws: Workspace, *, for_torchrun: bool = False) ->
         o += ["data.max_seq_length=1024", "data.max_bad_fraction=0.2"]  # the smoke test skips the longest rows
     if run.ds_settings == "hf-defaults":
         o.append(f"deepspeed.config={hf_default_zero3(ws, run)}")
+    o += list(run.overrides)
     if not for_torchrun:
         o += [f"run.name=bench-{run.name.replace('.', '_')}", f"run.storage_path={ws.root / 'runs'}",
               f"tracking.uri=file://{ws.root / 'mlruns'}", "tracking.experiment=benchmark", "tracking.register=false"]
