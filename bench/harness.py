@@ -125,6 +125,9 @@ SUITES: dict[str, list[Run]] = {
     "zero3-leaf-7b": [Run("zerolab", "qwen2.5-7b", stage=3, steps=10, window=5, variant="leaf", timeout_s=240),
                       Run("zerolab", "qwen2.5-7b", stage=3, steps=10, window=5, variant="noleaf", timeout_s=240,
                           overrides=("deepspeed.z3_leaf_layers=false",))],
+    "zero3-leaf-0.5b": [Run("zerolab", "qwen2.5-0.5b", stage=stage, micro_batch=4, steps=20, window=10, variant=variant, timeout_s=180,
+                            overrides=overrides)
+                        for stage, variant, overrides in ((2, "", ()), (3, "leaf", ()), (3, "noleaf", ("deepspeed.z3_leaf_layers=false",)))],
     # 7B on one GPU with 2 packed 4k rows per micro-batch: twice the work per kernel launch.
     "single-7b-mb2": [Run("zerolab", "qwen2.5-7b", micro_batch=2, steps=12, window=6, variant="mb2", timeout_s=240)],
     # CPU smoke test of the harness itself (tiny model, no GPU): every system runs a few steps.
