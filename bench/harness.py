@@ -211,6 +211,11 @@ def command(run: Run, ws: Workspace, result: Path) -> list[str]:
             *(["--gradient-checkpointing"] if run.checkpointing else [])]
 
 
+def subprocess_env() -> dict[str, str]:
+    """This environment with this checkout's zerolab first on the path (every run is a fresh process)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "platform"), os.environ.get("PYTHONPATH", "")])}
+
+
 def execute(run: Run, ws: Workspace, log: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Run one benchmark run; returns its CSV row and, for zerolab runs, a memory-calibration row."""
     from bench.calibrate_memory import NodeMemorySampler
@@ -223,7 +228,7 @@ def execute(run: Run, ws: Workspace, log: Any) -> tuple[dict[str, Any], dict[str
     row: dict[str, Any] = {"run": run.name, "system": run.system, "shape": run.shape, "gpus": run.gpus, "stage": run.stage,
                            "offload": run.offload, "variant": run.variant, "micro_batch": run.micro_batch,
                            "checkpointing": run.checkpointing, "steps": run.steps, "command": _shown(cmd, ws)}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "platform"), os.environ.get("PYTHONPATH", "")])}
+    env = subprocess_env()
     if run.system == "zerolab-torchrun":  # the allocator settings zerolab's workers get
         from zerolab.run import CUDA_ALLOC_CONF
 
@@ -377,4 +382,5 @@ def _gpu_name() -> str:
 _big, _small = SUITES["single-7b"], SUITES["single-0.5b"]
 SUITES["single"] = [*_big[:4], _small[0], _small[2], _small[3], _small[1], *_big[4:], *_small[4:]]
 
-__all__ = ["COLUMNS", "Run", "SUITES", "Workspace", "asdict", "environment", "execute", "markdown_table", "read_csv", "write_csv"]
+__all__ = ["COLUMNS", "Run", "SUITES", "Workspace", "asdict", "environment", "execute", "markdown_table", "read_csv", "subprocess_env",
+           "write_csv"]

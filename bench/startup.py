@@ -26,12 +26,12 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import re
 import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -45,18 +45,14 @@ CPU_RUN = harness.Run("zerolab", "tiny", micro_batch=2, steps=4, window=2, attn=
 STARTUP_LINE = re.compile(r"start-up: first optimizer step ([\d.]+) s after launch \((.*)\)")
 
 
-def _env(ws: harness.Workspace) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(harness.REPO), str(harness.REPO / "platform"), os.environ.get("PYTHONPATH", "")])}
-
-
 def _startup_line(log_path: Path, since: int) -> str:
     text = log_path.read_text(errors="replace")[since:]
     found = STARTUP_LINE.findall(text)
     return found[-1][1] if found else ""
 
 
-def _zerolab_cmd(ws: harness.Workspace, result: Path, name: str) -> list[str]:
-    overrides = [o if not o.startswith("run.name=") else f"run.name=startup-{name}" for o in harness.zerolab_overrides(RUN, ws)]
+def _zerolab_cmd(run: harness.Run, ws: harness.Workspace, result: Path, name: str) -> list[str]:
+    overrides = [o if not o.startswith("run.name=") else f"run.name=startup-{name}" for o in harness.zerolab_overrides(run, ws)]
     return [sys.executable, str(harness.REPO / "bench" / "zerolab_run.py"), "--out", str(result), *[a for o in overrides for a in ("--set", o)]]
 
 
@@ -72,17 +68,14 @@ def _timed(cmd: list[str], log_path: Path, env: dict[str, str], timeout: int) ->
     return launch, code
 
 
-def _first_step(result: Path) -> float:
-    return json.loads(result.read_text())["metrics"].get("perf/first_step_unix", 0.0)
-
-
-def zerolab_case(name: str, ws: harness.Workspace, out: Path, env: dict[str, str], prefix: list[str] | None = None) -> dict:
+def zerolab_case(run: harness.Run, name: str, ws: harness.Workspace, out: Path, env: dict[str, str],
+                 prefix: list[str] | None = None) -> dict:
     log_path = out / "runs.log"
     result = ws.root / "results" / f"startup-{name}.json"
     result.parent.mkdir(parents=True, exist_ok=True)
     result.unlink(missing_ok=True)
     since = log_path.stat().st_size if log_path.exists() else 0
-    launch, code = _timed([*(prefix or []), *_zerolab_cmd(ws, result, name)], log_path, env, RUN.timeout_s)
+    launch, code = _timed([*(prefix or []), *_zerolab_cmd(run, ws, result, name)], log_path, env, run.timeout_s)
     wall = time.time() - launch
     row = {"case": name, "status": "ok" if code == 0 else f"failed ({code})", "wall_s": round(wall, 1)}
     if code == 0 and result.exists():
@@ -91,14 +84,13 @@ def zerolab_case(name: str, ws: harness.Workspace, out: Path, env: dict[str, str
     return row
 
 
-def torchrun_case(ws: harness.Workspace, out: Path) -> dict:
-    run = harness.Run("zerolab-torchrun", RUN.shape, micro_batch=RUN.micro_batch, steps=RUN.steps, window=RUN.window, timeout_s=RUN.timeout_s)
+def torchrun_case(run: harness.Run, ws: harness.Workspace, out: Path) -> dict:
     with open(out / "runs.log", "a") as log:
-        row, _ = harness.execute(run, ws, log)
+        row, _ = harness.execute(replace(run, system="zerolab-torchrun"), ws, log)
     return {"case": "torchrun", "status": row["status"], "wall_s": row["wall_s"], "first_step_s": row.get("time_to_first_step_s", "")}
 
 
-def warm_cases(ws: harness.Workspace, out: Path, env: dict[str, str], cases: set[str]) -> list[dict]:
+def warm_cases(run: harness.Run, ws: harness.Workspace, out: Path, env: dict[str, str], cases: set[str]) -> list[dict]:
     ray = shutil.which("ray") or "ray"
     rows = []
     # `ray job submit` needs the dashboard's job server (ray[default]); where it cannot start, the
@@ -111,10 +103,10 @@ def warm_cases(ws: harness.Workspace, out: Path, env: dict[str, str], cases: set
     try:
         if "warm-submit" in cases and dashboard.endswith("true"):
             for i in (1, 2):
-                rows.append(zerolab_case(f"warm-submit-{i}", ws, out, env,
+                rows.append(zerolab_case(run, f"warm-submit-{i}", ws, out, env,
                                          prefix=[ray, "job", "submit", "--address", "http://127.0.0.1:8265", "--"]))
         if "warm-driver" in cases:
-            rows.append(zerolab_case("warm-driver", ws, out, {**env, "RAY_ADDRESS": "auto"}))
+            rows.append(zerolab_case(run, "warm-driver", ws, out, {**env, "RAY_ADDRESS": "auto"}))
     finally:
         subprocess.run([ray, "stop", "--force"], env=env, capture_output=True)
     return rows
@@ -126,11 +118,11 @@ def _has_dashboard() -> bool:
     return all(importlib.util.find_spec(m) for m in ("aiohttp", "aiohttp_cors"))
 
 
-def sweep_case(ws: harness.Workspace, out: Path, env: dict[str, str]) -> list[dict]:
+def sweep_case(run: harness.Run, ws: harness.Workspace, out: Path, env: dict[str, str]) -> list[dict]:
     space = ws.root / "startup_space.yaml"
     space.write_text("name: startup-sweep\nsearch: grid\nspace:\n  adapter.r: {grid: [8, 16, 32]}\n  train.lr: {grid: [1.0e-4, 2.0e-4]}\n")
     shutil.rmtree(ws.root / "runs" / "startup-sweep", ignore_errors=True)
-    overrides = [o for o in harness.zerolab_overrides(RUN, ws) if not o.startswith(("run.name=", "adapter.r="))]
+    overrides = [o for o in harness.zerolab_overrides(run, ws) if not o.startswith(("run.name=", "adapter.r="))]
     cmd = [sys.executable, str(harness.REPO / "jobs" / "tune.py"), "--space", str(space), "--out", str(out / "sweep"),
            *[a for o in overrides for a in ("--set", o)]]
     launch, code = _timed(cmd, out / "runs.log", env, 540)
@@ -151,14 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
     parser.add_argument("--cpu", action="store_true", help="the script itself on CPU: the tiny model, 4 steps")
     args = parser.parse_args(argv)
-    global RUN
-    if args.cpu:
-        RUN = CPU_RUN
+    run = CPU_RUN if args.cpu else RUN
     cases = set(args.cases.split(","))
     args.out.mkdir(parents=True, exist_ok=True)
     ws = harness.Workspace(args.work)
-    ws.prepare({RUN.shape})
-    env = _env(ws)
+    ws.prepare({run.shape})
+    env = harness.subprocess_env()
     rows: list[dict] = []
 
     def record(new: list[dict]) -> None:
@@ -170,15 +160,15 @@ def main(argv: list[str] | None = None) -> int:
         from zerolab.models import cache_dir
 
         shutil.rmtree(cache_dir() / "tokenized", ignore_errors=True)
-        record([zerolab_case("cold-nocache", ws, args.out, env)])
+        record([zerolab_case(run, "cold-nocache", ws, args.out, env)])
     if "cold" in cases:
-        record([zerolab_case(f"cold-{i}", ws, args.out, env) for i in (1, 2)])
+        record([zerolab_case(run, f"cold-{i}", ws, args.out, env) for i in (1, 2)])
     if "torchrun" in cases:
-        record([torchrun_case(ws, args.out)])
+        record([torchrun_case(run, ws, args.out)])
     if cases & {"warm-submit", "warm-driver"}:
-        record(warm_cases(ws, args.out, env, cases))
+        record(warm_cases(run, ws, args.out, env, cases))
     if "sweep" in cases:
-        record(sweep_case(ws, args.out, env))
+        record(sweep_case(run, ws, args.out, env))
     columns = ["case", "status", "first_step_s", "training_s", "wall_s", "phases"]
     with open(args.out / "startup.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, columns, extrasaction="ignore")

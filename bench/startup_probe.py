@@ -62,10 +62,10 @@ def ray_pieces() -> None:
         _say(f"{label}-import-torch", ray.get(actor.import_torch.remote()))
         ray.kill(actor)
 
+    import tempfile
+
     from ray.train import ScalingConfig
     from ray.train.torch import TorchTrainer
-
-    import tempfile
 
     mark = Path(tempfile.mkdtemp()) / "started"
 

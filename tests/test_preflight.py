@@ -84,4 +84,3 @@ def test_a_jobs_plan_resolves_model_data_and_deepspeed_once(ray_cluster, tmp_pat
     assert first.memory.estimate.data_aware and first.memory.params()["memory.estimate"]
     assert all(split.from_cache for split in second.splits.values())
     assert {k: r.fingerprint for k, r in second.reports.items()} == {k: r.fingerprint for k, r in first.reports.items()}
-
