@@ -125,6 +125,9 @@ SUITES: dict[str, list[Run]] = {
     "zero3-leaf-7b": [Run("zerolab", "qwen2.5-7b", stage=3, steps=10, window=5, variant="leaf", timeout_s=240),
                       Run("zerolab", "qwen2.5-7b", stage=3, steps=10, window=5, variant="noleaf", timeout_s=240,
                           overrides=("deepspeed.z3_leaf_layers=false",))],
+    # The ZeRO-3 target on two GPUs with leaf layers: one packed 4k row per micro-batch, then four.
+    "zero3-leaf-7b-2gpu": [Run("zerolab", "qwen2.5-7b", gpus=2, stage=stage, micro_batch=mb, steps=8, window=4, variant=f"mb{mb}", timeout_s=240)
+                           for mb in (1, 4) for stage in (2, 3)],
     "zero3-leaf-0.5b": [Run("zerolab", "qwen2.5-0.5b", stage=stage, micro_batch=4, steps=20, window=10, variant=variant, timeout_s=180,
                             overrides=overrides)
                         for stage, variant, overrides in ((2, "", ()), (3, "leaf", ()), (3, "noleaf", ("deepspeed.z3_leaf_layers=false",)))],
