@@ -1221,8 +1221,8 @@ class _Estimator:
     def host(self, device_peak: int) -> tuple[dict[str, int], dict[str, int], dict[str, int], dict[str, int]]:
         """Per worker: process baseline; dataset shard (⌈rows/N⌉ × (16·S + row overhead)); model
         load (ZeRO 0-2 every rank reads the whole checkpoint, ZeRO-3 rank 0 alone: P × the file's
-        bytes per element, plus P·e when converting dtype, × host_load_factor; on GPU with ZeRO 0-2 ×
-        host_load_factor_gpu; ZeRO-3 with parameter offload: + the pinned partitions, filled while
+        bytes per element, plus P·e when converting dtype, × host_load_factor; on GPU with ZeRO 0-2,
+        where tensors go to the GPU as they are read, P × the file's bytes × host_load_factor_gpu; ZeRO-3 with parameter offload: + the pinned partitions, filled while
         the checkpoint is held); offloaded optimizer (ZeRO 1-2: fp32 master, fp32 gradient and
         bit16 parameter partitions pinned, 10·⌈T/N⌉, AdamW states 8·⌈T/N⌉ unpinned, a staging
         buffer of the largest parameter; ZeRO-3: fp32 master pinned, gradient partition e pinned,
@@ -1239,10 +1239,13 @@ class _Estimator:
         base_params = sum(p.total for p in self.inv if not p.adapter)
         file_bytes = self.shape.weights_bytes_per_param or e
         # The checkpoint's pages as they are read, plus a converted private copy when dtypes differ.
-        # Under ZeRO 0-2 on GPU peft wraps the model once it is on the GPU (zerolab.train._build_model),
-        # so DoRA's weight-norm set-up reads no checkpoint pages on the host and costs what LoRA does.
-        factor = cal.host_load_factor_gpu if self.gpu and self.stage < 3 else cal.host_load_factor
-        load = int(base_params * (file_bytes + (e if file_bytes != e else 0)) * factor)
+        # Under ZeRO 0-2 on GPU each tensor goes to the GPU as it is read and peft wraps the model
+        # there (zerolab.train._build_model): no converted copy stays on the host, and DoRA's
+        # weight-norm set-up reads no checkpoint pages there either.
+        if self.gpu and self.stage < 3:
+            load = int(base_params * file_bytes * cal.host_load_factor_gpu)
+        else:
+            load = int(base_params * (file_bytes + (e if file_bytes != e else 0)) * cal.host_load_factor)
 
         groups = [g for g in (sum(p.total for p in self.inv if p.trainable and (p.ndim >= 2) == big) for big in (True, False)) if g]
         opt_pinned: list[int] = []

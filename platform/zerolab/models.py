@@ -199,7 +199,9 @@ def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_model(spec: ModelSpec, dtype: torch.dtype) -> PreTrainedModel:
+def load_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | None = None) -> PreTrainedModel:
+    """The model in ``dtype``; with ``device``, each tensor goes there as it is read, so the host
+    never holds the model (nor, when the checkpoint's dtype differs, a converted copy of it)."""
     from zerolab.kernels import resolve_attention
 
     path = resolve_model_path(spec.name_or_path)
@@ -210,6 +212,7 @@ def load_model(spec: ModelSpec, dtype: torch.dtype) -> PreTrainedModel:
             dtype=dtype,
             attn_implementation=resolve_attention(spec.attn_implementation),
             trust_remote_code=spec.trust_remote_code,
+            **({"device_map": {"": str(device)}} if device is not None else {}),
         )
     except (OSError, ValueError, ImportError) as exc:
         raise ModelLoadError(_load_failure(spec.name_or_path, "model", exc)) from exc
