@@ -18,6 +18,7 @@ import argparse
 import collections
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
 
@@ -70,18 +71,60 @@ def main(argv: list[str] | None = None) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(**inputs).loss
     saved = sum(seen.values())
+    by_op = _saved_by_op(loss.grad_fn, params)
     loss.backward()
     est = estimate(cfg, load_model_config(cfg))
     print(f"micro-batch {tuple(inputs['input_ids'].shape)} ({tokens} tokens), {cfg.adapter.method}, {cfg.precision()}, "
           f"attention {cfg.model.attn_implementation}, kernels {cfg.model.kernels}")
     for (shape, dtype), nbytes in groups.most_common(args.top):
         print(f"  {nbytes / 2**20:10.1f} MiB  {dtype:9s} {shape}")
-    print(f"saved for backward: {saved / GIB:.3f} GiB ({saved / tokens:,.0f} B/token)")
+    print(f"saved for backward: {saved / GIB:.3f} GiB ({saved / tokens:,.0f} B/token); by the op that saved it:")
+    for (op, shape), (nbytes, count) in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:args.top]:
+        print(f"  {nbytes / 2**20:10.1f} MiB  {count:4d} × {op} {shape}")
     if gpu:
         print(f"allocator peak over forward+backward beyond the weights: {(torch.cuda.max_memory_allocated() - before) / GIB:.3f} GiB")
     print(f"estimate: activations {est.device['activations'] / GIB:.3f} GiB, logits and loss {est.device['logits and loss'] / GIB:.3f} GiB "
           f"(at {est.micro_batch_size} × {est.seq_len} tokens)")
     return 0
+
+
+def _saved_by_op(root: Any, params: set[int]) -> dict[tuple[str, tuple], list[int]]:
+    """Bytes and count of the tensors each kind of autograd node saved (first node per storage),
+    walking the graph from ``root``: built-in nodes' ``_saved_*`` attributes and custom Functions'
+    ``saved_tensors``."""
+    import torch
+
+    out: dict[tuple[str, tuple], list[int]] = collections.defaultdict(lambda: [0, 0])
+    seen_nodes, seen_storage, stack = set(), set(), [root]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen_nodes:
+            continue
+        seen_nodes.add(node)
+        tensors = []
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                try:
+                    value = getattr(node, name)
+                except RuntimeError:  # freed or undefined
+                    continue
+                tensors.extend(v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, torch.Tensor))
+        if hasattr(node, "saved_tensors"):
+            try:
+                tensors.extend(node.saved_tensors)
+            except RuntimeError:
+                pass
+        op = type(node).__name__.removesuffix("Backward")
+        for t in tensors:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in params or ptr in seen_storage or t.untyped_storage().nbytes() < 1 << 20:
+                continue
+            seen_storage.add(ptr)
+            entry = out[(op, tuple(t.shape))]
+            entry[0] += t.untyped_storage().nbytes()
+            entry[1] += 1
+        stack.extend(n for n, _ in node.next_functions)
+    return out
 
 
 if __name__ == "__main__":
