@@ -108,12 +108,13 @@ def _saved_by_op(root: Any, params: set[int]) -> dict[tuple[str, tuple], list[in
                     value = getattr(node, name)
                 except RuntimeError:  # freed or undefined
                     continue
-                tensors.extend(v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, torch.Tensor))
+                tensors.extend(value if isinstance(value, (list, tuple)) else [value])
         if hasattr(node, "saved_tensors"):
             try:
                 tensors.extend(node.saved_tensors)
             except RuntimeError:
                 pass
+        tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
         op = type(node).__name__.removesuffix("Backward")
         for t in tensors:
             ptr = t.untyped_storage().data_ptr()

@@ -179,6 +179,20 @@ CASES: dict[str, list[Case]] = {
         Case("qwen2.5-0.5b", "adalora", 0, micro_batch=4, seq_len=1024, data="mix", precision="fp32", steps=4),
         Case("qwen2.5-0.5b", "lora", 0, micro_batch=16, seq_len=512, data="mix", steps=4),
     ],
+    # The third held-out set, after models load straight onto their GPU and AdaLoRA's division is
+    # counted: two lists side by side on one GPU (7B and 0.5B), fitted to nothing.
+    "held-out-c-7b": [
+        Case("qwen2.5-7b", "adalora", 0, micro_batch=2, seq_len=1024, packing=False, data="mix", checkpointing=True, precision="fp32", steps=3),
+        Case("qwen2.5-7b", "lora", 2, micro_batch=2, seq_len=2048, data="mix", checkpointing=True, steps=3),
+        Case("qwen2.5-7b", "dora", 1, micro_batch=1, seq_len=4096, packing=False, data="mix", checkpointing=True, steps=3),
+    ],
+    "held-out-c-0.5b": [
+        Case("qwen2.5-0.5b", "adalora", 0, micro_batch=8, seq_len=512, packing=False, data="mix", precision="fp32", steps=4),
+        Case("qwen2.5-0.5b", "full", 0, micro_batch=4, seq_len=512, packing=False, data="mix", precision="fp32", steps=4),
+        Case("qwen2.5-0.5b", "lora", 2, "optimizer", micro_batch=8, seq_len=1024, data="mix", steps=4),
+        Case("qwen2.5-0.5b", "rslora", 1, micro_batch=16, seq_len=128, packing=False, steps=4),
+        Case("qwen2.5-0.5b", "dora", 0, micro_batch=2, seq_len=4096, data="mix", checkpointing=True, steps=4),
+    ],
     "tiny": [Case("tiny", "lora", 2, workers=2, micro_batch=32, seq_len=512, gpu=False, steps=4),
              Case("tiny", "lora", 3, "all", workers=2, micro_batch=8, seq_len=128, gpu=False, steps=4)],
 }

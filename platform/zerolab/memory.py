@@ -1053,8 +1053,9 @@ class _Estimator:
         normed input once for q/k/v, once for gate/up, down's input e·I). Adapters per wrapped
         projection (in, out), in the model's dtype like the adapters themselves: with dropout its
         output and mask (e·in + mask·in; the mask is a byte on GPU, e bytes on CPU), without
-        dropout the input itself (shared), lora_A's output e·r, and DoRA's base and LoRA results
-        (2·e·out). With Liger's kernels (``zerolab.kernels``) each RMSNorm keeps its
+        dropout the input itself (shared), lora_A's output e·r, DoRA's base and LoRA results
+        (2·e·out), and AdaLoRA's scaled product before its division by the rank (e·out; measured
+        with ``bench/activation_census.py``). With Liger's kernels (``zerolab.kernels``) each RMSNorm keeps its
         input in e and the fp32 rsqrt (e·h + 4, also when its weight trains) and SwiGLU keeps the
         gate and up outputs only (2·e·I). Under ZeRO-3 with DeepSpeed's ``memory_efficient_linear``
         (its default) every projection keeps its input, frozen or not: e·h for q/k/v and for
@@ -1097,6 +1098,8 @@ class _Estimator:
             total += e * rank
             if self.cfg.adapter.method == "dora":
                 total += 2 * e * fan_out
+            elif self.cfg.adapter.method == "adalora":
+                total += e * fan_out  # its product ÷ the rank, a (1,) tensor: the division keeps the dividend
         return total
 
     def activations(self) -> int:
