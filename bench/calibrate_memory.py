@@ -8,6 +8,7 @@
     python bench/calibrate_memory.py --recompute a.csv b.csv --out docs/calibration   # merge rows, predict again
     python bench/calibrate_memory.py --held-out --cases held-out-1 --out heldout-h200   # held-out set, 1 GPU: errors, no fit
     python bench/calibrate_memory.py --held-out --cases held-out-2 --out heldout-h200x2 # held-out set, 2 GPUs
+    python bench/calibrate_memory.py --held-out --recompute heldout/*.csv --out /tmp/h  # held-out rows predicted again
 
 Each case trains a random-init model of a real shape (Qwen2.5-0.5B and -7B, built once from its
 config into ``--models`` or $ZEROLAB_CACHE/calibration, no download; the tiny model's tokenizer,
@@ -214,6 +215,12 @@ def main(argv: list[str] | None = None) -> int:
                              "and write <out>/memory_calibration.{csv,md}")
     args = parser.parse_args(argv)
 
+    if args.recompute and args.held_out:
+        rows = [recompute_held_out(r) for r in _read_rows_many(args.recompute)]
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "memory_heldout.md").write_text(report(rows, fit=False))
+        print(report(rows, fit=False))
+        return 0
     if args.recompute:
         rows = [recompute(r) for r in _read_rows_many(args.recompute)]
         args.out.mkdir(parents=True, exist_ok=True)
@@ -349,6 +356,32 @@ def recompute(row: dict[str, str]) -> dict[str, str]:
         return row
     out = dict(row)
     out.update({k: round(v, 3) for k, v in predict_overrides(json.loads(row["overrides"]), row["shape"]).items()})
+    out.update(error_pct(out))
+    return out
+
+
+def recompute_held_out(row: dict[str, str]) -> dict[str, str]:
+    """A held-out ``row`` predicted again by the current estimator as its run's preflight did, from
+    the shards of the case's data (tokenized here with the tokenizer every random-init model
+    carries; no weights needed), measurements kept."""
+    from zerolab.config import load_config
+    from zerolab.models import build_tiny_model, cache_dir
+    from zerolab.run import job_shard_lengths
+
+    case = next((c for cases in CASES.values() for c in cases if c.name == row["case"]), None)
+    if case is None or row.get("status") != "ok":
+        return row
+    tokenizer_only = cache_dir() / "calibration" / "tokenizer-only"
+    if not (tokenizer_only / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
+        tokenizer.model_max_length = 32768  # as random_init_model saves it
+        tokenizer.save_pretrained(tokenizer_only)
+    out_dir = cache_dir() / "calibration" / "recompute"
+    data = job_shard_lengths(load_config(None, case.overrides(str(tokenizer_only), out_dir)))
+    out = dict(row)
+    out.update({k: round(v, 3) for k, v in predict_overrides(json.loads(row["overrides"]), row["shape"], data=data).items()})
     out.update(error_pct(out))
     return out
 

@@ -285,6 +285,42 @@ def test_adapters_are_created_once_the_model_is_on_its_device(stage, tiny_model_
     assert dora.host_worker["model loading"] == lora.host_worker["model loading"]
 
 
+def test_a_checkpoint_in_another_dtype_is_converted_on_its_way_to_the_device(tmp_path, monkeypatch):
+    """A bf16 checkpoint trained in fp32 (AdaLoRA) was converted whole on the host before moving to
+    the GPU: 43.6 GiB of RSS per worker for 7B, 16.0 GiB converted tensor by tensor on the way
+    (2 × H200 / H100, docs/calibration/heldout.md). The meta device stands in for the GPU: the
+    converting load goes through transformers' device map, the same dtype keeps the lazy load whose
+    host pages the estimate's ``host_load_factor_gpu`` was fitted to."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from zerolab import models
+    from zerolab.config import ModelSpec
+    from zerolab.models import checkpoint_dtype, load_model
+
+    device_maps = []
+    real = models.AutoModelForCausalLM.from_pretrained
+
+    def recording(*args, **kwargs):  # transformers' own loader, its device map noted
+        device_maps.append(kwargs.get("device_map"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", recording)
+
+    config = Qwen2Config(**SMALL, tie_word_embeddings=False, max_position_embeddings=512)
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    spec = ModelSpec(name_or_path=str(tmp_path / "bf16"))
+    assert checkpoint_dtype(spec) == torch.bfloat16
+    for dtype, converted in ((torch.float32, True), (torch.bfloat16, False)):
+        model = load_model(spec, dtype, torch.device("meta"))
+        assert {(p.dtype, p.device.type) for p in model.parameters()} == {(dtype, "meta")}
+        assert (device_maps[-1] == {"": "meta"}) == converted, dtype
+    saved_bf16 = {**QWEN25_7B, "dtype": "bfloat16"}
+    est = {e: memory.estimate(gpu_cfg("deepspeed.stage=0", f"train.precision={e}"), saved_bf16) for e in ("bf16", "fp32")}
+    file_bytes = 7_615_616_512 * 2  # the 7B shape's base weights in its bf16 files
+    assert est["bf16"].host_worker["model loading"] == int(file_bytes * memory.DEFAULT_CALIBRATION.host_load_factor_gpu)
+    assert est["fp32"].host_worker["model loading"] == int(file_bytes * memory.DEFAULT_CALIBRATION.host_load_factor)
+
+
 # --- formulas against what the CPU allocator really holds ------------------------------------
 
 
@@ -430,6 +466,17 @@ def test_recommendation_shrinks_the_batch_when_no_option_fits():
     rec = memory.recommend(cfg, QWEN25_7B, Limits(gpu_mem_bytes=24 * GIB, gpus_per_node=1, host_mem_bytes=256 * GIB))
     assert rec is not None and any(o.startswith("train.micro_batch_size=") for o in rec.overrides)
     assert memory.recommend(cfg, QWEN25_7B, Limits(gpu_mem_bytes=2 * GIB, gpus_per_node=1, host_mem_bytes=256 * GIB)) is None
+
+
+def test_adalora_keeps_its_scaled_product_for_the_division_by_its_rank():
+    """peft's AdaLoRA divides its scaled product by ``ranknum``, a (1,) tensor, and autograd keeps the
+    dividend: one e·out tensor per wrapped projection that LoRA of the same rank does not keep
+    (0.5B, fp32, 4 × 1024 packed tokens on an H100: 4.64 GiB, bench/activation_census.py)."""
+    common = ["train.precision=fp32", "model.gradient_checkpointing=false", "data.max_seq_length=1024", "adapter.r=24"]
+    lora = memory.estimate(gpu_cfg(*common, "adapter.method=lora"), QWEN25_05B)
+    ada = memory.estimate(gpu_cfg(*common, "adapter.method=adalora", "adapter.r=16", "adapter.adalora_init_r=24"), QWEN25_05B)
+    fan_out = 896 + 128 + 128 + 896 + 4864 + 4864 + 896  # q, k, v, o, gate, up, down
+    assert ada.device["activations"] - lora.device["activations"] == 4 * 1024 * 24 * 4 * fan_out
 
 
 def test_adalora_only_plans_stage_0():

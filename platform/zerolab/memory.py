@@ -109,9 +109,12 @@ class Calibration:
     cuDNN and NCCL (fitted, with ``host_load_factor_gpu``, to LoRA runs of the 0.5B and 7B shapes)."""
     host_load_factor: float = 1.0
     """Host RSS of loading the weights, as a multiple of the bytes read, where the whole checkpoint
-    is held on the host at once: CPU training, and rank 0 under ZeRO-3 (it reads the checkpoint,
-    then partitions it). ``from_pretrained`` maps the safetensors files and pages come in as they
-    are read; a dtype conversion adds a private copy. Measured +1.0× on CPU and under ZeRO-3 on GPU."""
+    is held on the host at once: CPU training, rank 0 under ZeRO-3 (it reads the checkpoint,
+    then partitions it), and ZeRO 0-2 on GPU converting the checkpoint's dtype on the way to the GPU
+    (its files' pages stay mapped until the load ends). ``from_pretrained`` maps the safetensors
+    files and pages come in as they are read; a dtype conversion on the host adds a private copy.
+    Measured +1.0× on CPU and under ZeRO-3 on GPU; 0.93× (7B) and 0.4-0.5× (0.5B) converting to
+    the GPU."""
     host_load_factor_gpu: float = 0.285
     """The same for ZeRO 0-2 on GPU, where every rank loads the model and DeepSpeed moves it to its
     GPU: only part of the checkpoint is resident at the peak (fitted: 0.29× the file)."""
@@ -1225,7 +1228,8 @@ class _Estimator:
         """Per worker: process baseline; dataset shard (⌈rows/N⌉ × (16·S + row overhead)); model
         load (ZeRO 0-2 every rank reads the whole checkpoint, ZeRO-3 rank 0 alone: P × the file's
         bytes per element, plus P·e when converting dtype, × host_load_factor; on GPU with ZeRO 0-2,
-        where tensors go to the GPU as they are read, P × the file's bytes × host_load_factor_gpu; ZeRO-3 with parameter offload: + the pinned partitions, filled while
+        where tensors go to the GPU as they are read, P × the file's bytes × host_load_factor_gpu,
+        or × host_load_factor when converting dtype; ZeRO-3 with parameter offload: + the pinned partitions, filled while
         the checkpoint is held); offloaded optimizer (ZeRO 1-2: fp32 master, fp32 gradient and
         bit16 parameter partitions pinned, 10·⌈T/N⌉, AdamW states 8·⌈T/N⌉ unpinned, a staging
         buffer of the largest parameter; ZeRO-3: fp32 master pinned, gradient partition e pinned,
@@ -1242,11 +1246,11 @@ class _Estimator:
         base_params = sum(p.total for p in self.inv if not p.adapter)
         file_bytes = self.shape.weights_bytes_per_param or e
         # The checkpoint's pages as they are read, plus a converted private copy when dtypes differ.
-        # Under ZeRO 0-2 on GPU each tensor goes to the GPU as it is read and peft wraps the model
-        # there (zerolab.train._build_model): no converted copy stays on the host, and DoRA's
-        # weight-norm set-up reads no checkpoint pages there either.
+        # Under ZeRO 0-2 on GPU (zerolab.models.load_model) tensors go to the GPU as they are read
+        # and peft wraps the model there: no converted copy stays on the host (its files' pages all
+        # do, until the load ends), and DoRA's weight-norm set-up reads no checkpoint pages there.
         if self.gpu and self.stage < 3:
-            load = int(base_params * file_bytes * cal.host_load_factor_gpu)
+            load = int(base_params * file_bytes * (cal.host_load_factor_gpu if file_bytes == e else cal.host_load_factor))
         else:
             load = int(base_params * (file_bytes + (e if file_bytes != e else 0)) * cal.host_load_factor)
 

@@ -208,11 +208,10 @@ def _total_steps(cfg: SFTConfig, batches_per_epoch: int, device: torch.device) -
 
 
 def _build_model(cfg: SFTConfig, ds_config: dict, total_steps: int, device: torch.device | None = None) -> torch.nn.Module:
-    """The model with its adapter. Under ZeRO 0-2 it loads straight onto ``device`` (where
-    ``deepspeed.initialize`` would move it), before peft wraps it: on the host, a checkpoint in
-    another dtype than the training one was converted whole (7B in fp32: 43.6 GiB RSS per worker),
-    and DoRA's set-up, which reads every wrapped weight to compute its norm, made the whole
-    memory-mapped checkpoint resident (7B: 14.4 GiB against LoRA's 6.2)."""
+    """The model with its adapter. Under ZeRO 0-2 it goes to ``device`` (where
+    ``deepspeed.initialize`` would move it) as it loads (``zerolab.models.load_model``), before peft
+    wraps it: DoRA's set-up, which reads every wrapped weight to compute its norm, made the whole
+    memory-mapped checkpoint resident on the host (7B: 14.4 GiB RSS per worker against LoRA's 6.2)."""
     dtype = DTYPES[cfg.precision()]
     if cfg.deepspeed.stage == 3:
         # Keeps a global reference that makes from_pretrained partition weights as they load
