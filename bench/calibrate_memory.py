@@ -180,8 +180,8 @@ CASES: dict[str, list[Case]] = {
         Case("qwen2.5-0.5b", "adalora", 0, micro_batch=4, seq_len=1024, data="mix", precision="fp32", steps=4),
         Case("qwen2.5-0.5b", "lora", 0, micro_batch=16, seq_len=512, data="mix", steps=4),
     ],
-    # The third held-out set, after models load straight onto their GPU and AdaLoRA's division is
-    # counted: two lists side by side on one GPU (7B and 0.5B), fitted to nothing.
+    # The third held-out set, after AdaLoRA's division is counted and checkpoints in another dtype
+    # are converted on their way to the GPU: two lists side by side on one GPU, fitted to nothing.
     "held-out-c-7b": [
         Case("qwen2.5-7b", "adalora", 0, micro_batch=2, seq_len=1024, packing=False, data="mix", checkpointing=True, precision="fp32", steps=3),
         Case("qwen2.5-7b", "lora", 2, micro_batch=2, seq_len=2048, data="mix", checkpointing=True, steps=3),
@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", type=Path, help="folder for the random-init models (default: $ZEROLAB_CACHE/calibration)")
     parser.add_argument("--recompute", type=Path, nargs="+", metavar="CSV",
                         help="no runs: merge these CSVs, predict every row again with the current Calibration, "
-                             "and write <out>/memory_calibration.{csv,md}")
+                             "and write <out>/memory_calibration.{csv,md}; with --held-out: held-out rows, data-aware, "
+                             "into <out>/memory_heldout.md")
     args = parser.parse_args(argv)
 
     if args.recompute and args.held_out:

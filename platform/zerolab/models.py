@@ -218,10 +218,10 @@ def load_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | None 
             trust_remote_code=spec.trust_remote_code,
             **({"device_map": {"": str(device)}} if converting else {}),
         )
-        if device is not None:
-            model.to(device)
     except (OSError, ValueError, ImportError) as exc:
         raise ModelLoadError(_load_failure(spec.name_or_path, "model", exc)) from exc
+    if device is not None:
+        model.to(device)
     if spec.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
