@@ -1188,7 +1188,8 @@ class _Estimator:
         layer + logits, DoRA transient) (+ gradients held across accumulation steps, and ZeRO-3's
         gradient partition buffer, allocated at init). Optimizer
         step = persistent + gradients + DeepSpeed buffers + the last logits (``out`` still holds
-        them). Init (ZeRO 1-2 flatten the trainable parameters into a new buffer) = persistent
+        them). ZeRO-0's gradient all-reduce = persistent + gradients + their flat bucket, min(T, 5e8)·e
+        (any world size) + the last logits. Init (ZeRO 1-2 flatten the trainable parameters into a new buffer) = persistent
         without optimizer states + T·e. ZeRO-3 forward start = persistent + held gradients + the
         parameters gathered then (``gathered_at_start``) + the embeddings' output and the first
         layer's activations, B·S·(e·h + the per-layer bytes)."""
@@ -1218,6 +1219,10 @@ class _Estimator:
             "forward/backward": persistent + held_grads + self.gathered() + saved + peak_activity,
             "optimizer step": persistent + c["gradients"] + c["deepspeed buffers"] + logits,
         }
+        if self.stage == 0:
+            # After the backward DeepSpeed flattens the gradients into all-reduce buckets of up to
+            # 5e8 elements, on one GPU as well (engine.allreduce_bucket); the step's buffers come later.
+            phases["gradient all-reduce"] = persistent + c["gradients"] + min(self.T, 500_000_000) * self.e + logits
         if self._gathers():
             first_layer = self.tokens * (self.e * self.shape.hidden_size + self.activation_bytes_per_layer())
             phases["forward start"] = persistent + held_grads + self.gathered_at_start() + first_layer
