@@ -24,6 +24,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bootstrap  # noqa: E402,F401  (makes zerolab importable from a checkout)
 
+FLAGS = {"adapter": "--adapter", "model": "--model", "task": "--task", "data": "--data", "base comparison": "--compare-base",
+         "merge": "--merge", "workers": "--workers", "device": "--device", "dtype": "--dtype"}
+"""The flag that gives each input an EvaluationError can be about (its ``input``)."""
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -49,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     from mlflow.exceptions import MlflowException
 
     from zerolab.cli import USER_ERROR, user_errors
-    from zerolab.evaluate import EvaluationError, default_run_name, log_eval_run, options_for, resolve_target, run_evaluation
+    from zerolab.errors import EvaluationError
+    from zerolab.evaluate import default_run_name, log_eval_run, options_for, run_evaluation
+    from zerolab.reference import resolve_target
     from zerolab.tracking import tracking_uri
 
     uri = tracking_uri(args.tracking_uri)
@@ -72,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
             run_name = args.run_name or default_run_name(target)
             written = report.write(args.output_dir or Path("eval_outputs") / run_name)
             run_id = log_eval_run(report, target, uri, experiment=args.experiment, run_name=run_name)
-    except (*user_errors(), EvaluationError, MlflowException) as exc:
-        print(f"\nerror: {exc}", file=sys.stderr)
+    except (*user_errors(), MlflowException) as exc:
+        flag = FLAGS.get(exc.input) if isinstance(exc, EvaluationError) and exc.input else None
+        print(f"\nerror: {flag + ': ' if flag else ''}{exc}", file=sys.stderr)
         return USER_ERROR
 
     print()
@@ -85,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _connect_ray(device: str) -> None:
     from zerolab.config import load_config
-    from zerolab.evaluate import resolve_device
+    from zerolab.generation import resolve_device
     from zerolab.run import connect_ray
 
     connect_ray(load_config(None, [f"scaling.use_gpu={str(resolve_device(device) == 'cuda').lower()}"]))

@@ -21,6 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bootstrap  # noqa: E402,F401  (makes zerolab importable from a checkout)
 
+FLAGS = {"adapter": "--adapter", "model": "--model", "output": "--output"}
+"""The flag that gives each input an EvaluationError can be about (its ``input``)."""
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -36,15 +39,18 @@ def main(argv: list[str] | None = None) -> int:
     from mlflow.exceptions import MlflowException
 
     from zerolab.cli import USER_ERROR, user_errors
-    from zerolab.evaluate import EvaluationError, export_merged, resolve_target
+    from zerolab.errors import EvaluationError
+    from zerolab.export import export_merged
+    from zerolab.reference import resolve_target
     from zerolab.tracking import tracking_uri
 
     try:
         with tempfile.TemporaryDirectory(prefix="zerolab-export-") as tmp:
             target = resolve_target(args.adapter, args.model, tracking_uri(args.tracking_uri), tmp)
             result = export_merged(target, args.output, dtype=args.dtype, overwrite=args.overwrite)
-    except (*user_errors(), EvaluationError, MlflowException) as exc:
-        print(f"\nerror: {exc}", file=sys.stderr)
+    except (*user_errors(), MlflowException) as exc:
+        flag = FLAGS.get(exc.input) if isinstance(exc, EvaluationError) and exc.input else None
+        print(f"\nerror: {flag + ': ' if flag else ''}{exc}", file=sys.stderr)
         return USER_ERROR
 
     print(f"\nmerged {args.adapter} into {target.base} ({result['dtype']})")

@@ -15,21 +15,11 @@ import torch
 
 from conftest import REPO, tiny_overrides
 from zerolab.config import BUILTIN_TINY_MODEL, ConfigError, ModelSpec, load_config
-from zerolab.evaluate import (
-    EvalOptions,
-    EvaluationError,
-    Example,
-    Generator,
-    LoadSpec,
-    Target,
-    default_eval_path,
-    generate_answers,
-    load_examples,
-    plan_batches,
-    resolve_target,
-    run_evaluation,
-    score_answers,
-)
+from zerolab.errors import EvaluationError
+from zerolab.evaluate import EvalOptions, run_evaluation
+from zerolab.generation import Example, Generator, default_eval_path, generate_answers, load_examples, plan_batches
+from zerolab.reference import LoadSpec, Target, resolve_target
+from zerolab.scoring import score_answers
 from zerolab.tasks import generate_dataset, math_sum
 
 P = math_sum.PREFIX
@@ -159,7 +149,7 @@ def test_figures_are_reported(examples, tiny_model_path):
 def test_merged_adapter_and_exported_folder_give_the_same_answers(examples, adapter_dir, base_answers, tuned_answers, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from zerolab.evaluate import export_merged
+    from zerolab.export import export_merged
 
     assert tuned_answers != base_answers
     merged = generate_answers(LoadSpec(BUILTIN_TINY_MODEL, adapter_path=str(adapter_dir), merge=True), examples, **GEN).texts
@@ -171,8 +161,9 @@ def test_merged_adapter_and_exported_folder_give_the_same_answers(examples, adap
     model = AutoModelForCausalLM.from_pretrained(result["output"])
     assert not any("lora" in name for name, _ in model.named_parameters())
     assert generate_answers(LoadSpec(result["output"]), examples, **GEN).texts == tuned_answers
-    with pytest.raises(EvaluationError, match="exists and is not empty"):
+    with pytest.raises(EvaluationError, match="exists and is not empty; choose a new folder or let the export overwrite it") as exc:
         export_merged(target, tmp_path / "merged")
+    assert exc.value.input == "output"
 
 
 # --- adapters from MLflow ------------------------------------------------------------------------
@@ -254,13 +245,16 @@ def test_evaluate_job_compares_base_and_tuned_and_logs_both(mlflow_store, tmp_pa
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--adapter", "/no/such/adapter"], "no such folder"),
-        (["--adapter", "runs:/0123456789abcdef0123456789abcdef"], "there is no MLflow run '0123456789abcdef0123456789abcdef'"),
-        (["--adapter", "models:/no-such-model/3"], "no such registered model version"),
-        (["--adapter", "runs:/{run_id}", "--task", "poetry"], "--task poetry: unknown task; choose one of math_sum, ner_json, custom"),
-        (["--adapter", "runs:/{run_id}", "--data", "/no/such/eval.json"], "--data /no/such/eval.json: no such file"),
-        (["--model", BUILTIN_TINY_MODEL, "--task", "math_sum", "--compare-base"], "--compare-base: needs both a tuned model"),
-        (["--adapter", "runs:/{run_id}", "--batch-size", "0"], "--batch-size: 0 is not allowed"),
+        (["--adapter", "/no/such/adapter"], "error: --adapter: there is no adapter folder /no/such/adapter; give the adapter folder"),
+        (["--adapter", "runs:/0123456789abcdef0123456789abcdef"],
+         "error: --adapter: there is no MLflow run '0123456789abcdef0123456789abcdef' in sqlite:"),
+        (["--adapter", "models:/no-such-model/3"], "error: --adapter: no such registered model version models:/no-such-model/3 in sqlite:"),
+        (["--adapter", "runs:/{run_id}", "--task", "poetry"], "error: --task: unknown task 'poetry'; choose one of math_sum, ner_json, custom"),
+        (["--adapter", "runs:/{run_id}", "--data", "/no/such/eval.json"],
+         "error: --data: there is no eval file or folder /no/such/eval.json; give a JSON/JSONL/Parquet eval file"),
+        (["--model", BUILTIN_TINY_MODEL, "--task", "math_sum", "--compare-base"],
+         "error: --compare-base: comparing with the base model needs both a tuned model"),
+        (["--adapter", "runs:/{run_id}", "--batch-size", "0"], "error: --batch-size: 0 is not allowed"),
     ],
     ids=["missing-folder", "bad-run-id", "bad-model-version", "unknown-task", "missing-data", "compare-without-adapter", "bad-batch"],
 )
@@ -280,7 +274,8 @@ def test_bad_run_id_from_the_command_line_prints_no_traceback(mlflow_store):
     proc = subprocess.run([sys.executable, str(REPO / "jobs" / "evaluate.py"), "--adapter", "runs:/feedface", "--tracking-uri", uri],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "error: --adapter runs:/feedface: there is no MLflow run 'feedface'" in proc.stderr
+    assert "error: --adapter: there is no MLflow run 'feedface' in sqlite:" in proc.stderr
+    assert "for the adapter reference runs:/feedface; check the run id" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
@@ -293,16 +288,18 @@ def test_export_job_writes_a_loadable_merged_model(mlflow_store, tmp_path, capsy
     assert "next-token agreement 100.0%" in capsys.readouterr().out
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in (tmp_path / "m").iterdir()}
     assert job.main(["--adapter", str(tmp_path / "m"), "--output", str(tmp_path / "again"), "--tracking-uri", uri]) == 2
-    assert "export merges an adapter" in capsys.readouterr().err
+    assert f"error: --adapter: export merges an adapter, but {tmp_path / 'm'} is a fully fine-tuned model folder" in capsys.readouterr().err
 
 
 def test_compare_base_needs_a_base_for_a_full_model(tmp_path, tiny_model_path):
     target = Target(base=None, tuned_path=tiny_model_path, tuned_kind="full", source=tiny_model_path)
     options = EvalOptions(task="math_sum", data_path=default_eval_path("math_sum", 16, 1), num_examples=2, compare_base=True)
-    with pytest.raises(EvaluationError, match="--compare-base: needs both"):
+    with pytest.raises(EvaluationError, match="comparing with the base model needs both") as exc:
         run_evaluation(target, options)
-    with pytest.raises(EvaluationError, match="nothing to merge"):
+    assert exc.value.input == "base comparison"
+    with pytest.raises(EvaluationError, match="nothing to merge: evaluate it unmerged") as exc:
         target.tuned_spec(merge=True)
+    assert exc.value.input == "merge" and "--" not in str(exc.value)
 
 
 @pytest.mark.gpu
@@ -329,8 +326,9 @@ def test_ray_data_actors_give_the_answers_of_one_process(ray_cluster, examples, 
     on_actors = generate_answers(spec, examples, workers=2, **GEN)
     assert on_actors.texts == tuned_answers
     assert on_actors.figures["generated_tokens"] == sum(on_actors.num_tokens) > 0
-    with pytest.raises(EvaluationError, match="--workers 64: each generation actor takes one CPU"):
+    with pytest.raises(EvaluationError, match="64 generation workers: each actor takes one CPU and the Ray cluster has") as exc:
         generate_answers(spec, examples, workers=64, **GEN)
+    assert exc.value.input == "workers"
 
 
 @pytest.mark.ray

@@ -1,9 +1,26 @@
 """The base class of every problem a user can fix: a job reports it as one message, without a
-traceback, and exits 2 (nothing ran). Each module raises its own subclass, in its own words."""
+traceback, and exits 2 (nothing ran). Each module raises its own subclass, in its own words;
+a subclass that several modules raise lives here."""
 
 from __future__ import annotations
+
+from typing import Literal
 
 
 class UserError(Exception):
     """A problem with the user's configuration, data, model, environment or run folder; the
     message says what is wrong and how to fix it."""
+
+
+EvaluationInput = Literal["adapter", "model", "task", "data", "base comparison", "merge", "workers", "device", "dtype", "output"]
+
+
+class EvaluationError(UserError):
+    """What to evaluate or export cannot be found or used as given. The message speaks of
+    adapters, models and eval data, not of a command line; a job names its own flag for
+    ``input``."""
+
+    def __init__(self, message: str, *, input: EvaluationInput | None = None) -> None:
+        super().__init__(message)
+        self.input = input
+        """The input the problem is about; None when it is about no single one."""
