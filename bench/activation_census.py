@@ -9,7 +9,8 @@ The model is built as a worker builds it (``zerolab.train._build_model``: Liger'
 LoRA forward, the adapter) on this machine's GPU (or CPU), one micro-batch of synthetic rows of
 ``--row-tokens`` tokens is collated by the run's own batcher, and the forward runs under
 ``saved_tensors_hooks``. Printed: the largest saved tensors, their total, the allocator's peak over
-forward and backward beyond the weights, and the estimate's activations for the same micro-batch.
+forward and backward beyond the weights, and the estimate's activations at the configured size
+(``train.micro_batch_size`` × ``data.max_seq_length``: packed rows that fill their sequences match it).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(None, [f"model.name_or_path={args.model}", f"scaling.use_gpu={str(gpu).lower()}", *args.set])
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
     model = _build_model(cfg, {}, total_steps=100, device=device)
-    model.to(device).train()
+    model.train()
     rows_needed = cfg.train.micro_batch_size * max(1, cfg.data.max_seq_length // args.row_tokens if cfg.data.packing else 1)
     rng = np.random.default_rng(0)
     rows = [(ids, ids.copy()) for ids in (rng.integers(10, 1000, args.row_tokens) for _ in range(rows_needed))]
