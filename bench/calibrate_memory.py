@@ -279,16 +279,15 @@ def random_init_model(shape: str, root: Path) -> Path:
     ``shape`` with the built-in tiny model's tokenizer and chat template; its token ids all fall
     inside the real vocabulary, whose full size keeps the logits realistic. Offline."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+    from transformers import AutoModelForCausalLM, Qwen2Config
 
     from zerolab.memory import KNOWN_CONFIGS
-    from zerolab.models import build_tiny_model
 
     target = root / f"random-{shape}"
     if (target / "complete").is_file():
         return target
-    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
-    tokenizer.model_max_length = config_max = 32768  # the shape's context, not the tiny model's 2048
+    tokenizer = shape_tokenizer()
+    config_max = tokenizer.model_max_length
     config = Qwen2Config(**KNOWN_CONFIGS[SHAPES[shape]], max_position_embeddings=config_max, rope_theta=1_000_000.0, bos_token_id=None,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
@@ -304,6 +303,18 @@ def random_init_model(shape: str, root: Path) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
     return target
+
+
+def shape_tokenizer() -> Any:
+    """The tokenizer every random-init model carries: the built-in tiny model's, with the shapes'
+    context (32k tokens, not the tiny model's 2048)."""
+    from transformers import AutoTokenizer
+
+    from zerolab.models import build_tiny_model
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
+    tokenizer.model_max_length = 32768
+    return tokenizer
 
 
 def _predict(case: Case, out: Path) -> dict[str, float]:
@@ -366,7 +377,7 @@ def recompute_held_out(row: dict[str, str]) -> dict[str, str]:
     the shards of the case's data (tokenized here with the tokenizer every random-init model
     carries; no weights needed), measurements kept."""
     from zerolab.config import load_config
-    from zerolab.models import build_tiny_model, cache_dir
+    from zerolab.models import cache_dir
     from zerolab.run import job_shard_lengths
 
     case = next((c for cases in CASES.values() for c in cases if c.name == row["case"]), None)
@@ -374,11 +385,7 @@ def recompute_held_out(row: dict[str, str]) -> dict[str, str]:
         return row
     tokenizer_only = cache_dir() / "calibration" / "tokenizer-only"
     if not (tokenizer_only / "tokenizer_config.json").is_file():
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
-        tokenizer.model_max_length = 32768  # as random_init_model saves it
-        tokenizer.save_pretrained(tokenizer_only)
+        shape_tokenizer().save_pretrained(tokenizer_only)
     out_dir = cache_dir() / "calibration" / "recompute"
     data = job_shard_lengths(load_config(None, case.overrides(str(tokenizer_only), out_dir)))
     out = dict(row)

@@ -291,11 +291,11 @@ def test_a_checkpoint_in_another_dtype_is_converted_on_its_way_to_the_device(tmp
     (2 × H200 / H100, docs/calibration/heldout.md). The meta device stands in for the GPU: the
     converting load goes through transformers' device map, the same dtype keeps the lazy load whose
     host pages the estimate's ``host_load_factor_gpu`` was fitted to."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoConfig, Qwen2Config, Qwen2ForCausalLM
 
     from zerolab import models
     from zerolab.config import ModelSpec
-    from zerolab.models import checkpoint_dtype, load_model
+    from zerolab.models import load_model, saved_dtype
 
     device_maps = []
     real = models.AutoModelForCausalLM.from_pretrained
@@ -309,7 +309,7 @@ def test_a_checkpoint_in_another_dtype_is_converted_on_its_way_to_the_device(tmp
     config = Qwen2Config(**SMALL, tie_word_embeddings=False, max_position_embeddings=512)
     Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
     spec = ModelSpec(name_or_path=str(tmp_path / "bf16"))
-    assert checkpoint_dtype(spec) == torch.bfloat16
+    assert saved_dtype(AutoConfig.from_pretrained(tmp_path / "bf16")) == torch.bfloat16
     for dtype, converted in ((torch.float32, True), (torch.bfloat16, False)):
         model = load_model(spec, dtype, torch.device("meta"))
         assert {(p.dtype, p.device.type) for p in model.parameters()} == {(dtype, "meta")}

@@ -208,10 +208,12 @@ def load_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | None 
     from zerolab.kernels import resolve_attention
 
     path = resolve_model_path(spec.name_or_path)
-    converting = device is not None and checkpoint_dtype(spec) not in (None, dtype)
     try:
+        config = AutoConfig.from_pretrained(path, revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+        converting = device is not None and saved_dtype(config) not in (None, dtype)
         model = AutoModelForCausalLM.from_pretrained(
             path,
+            config=config,
             revision=spec.revision,
             dtype=dtype,
             attn_implementation=resolve_attention(spec.attn_implementation),
@@ -228,13 +230,8 @@ def load_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | None 
     return model
 
 
-def checkpoint_dtype(spec: ModelSpec) -> torch.dtype | None:
-    """The dtype the model's weights are saved in, from its config (None if it names none)."""
-    path = resolve_model_path(spec.name_or_path)
-    try:
-        config = AutoConfig.from_pretrained(path, revision=spec.revision, trust_remote_code=spec.trust_remote_code)
-    except (OSError, ValueError, ImportError) as exc:
-        raise ModelLoadError(_load_failure(spec.name_or_path, "model", exc)) from exc
+def saved_dtype(config: Any) -> torch.dtype | None:
+    """The dtype a model's weights are saved in, from its transformers config (None if it names none)."""
     saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(saved, str):
         saved = getattr(torch, saved, None)
