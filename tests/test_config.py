@@ -50,6 +50,19 @@ def test_every_problem_is_reported_together_with_key_and_fix():
     assert "train.lr: 'fast' is not a finite number" in text
 
 
+def test_typed_replacement_is_the_config_the_same_overrides_load_and_lists_every_problem():
+    base = load_config(None, ["train.lr=3e-4"])
+    values = {"adapter.r": 32, "deepspeed.stage": 3, "adapter.target_modules": ["q_proj", "v_proj"], "run.name": "x"}
+    assert base.with_values(values) == load_config(None, ["train.lr=3e-4", "adapter.r=32", "deepspeed.stage=3",
+                                                          "adapter.target_modules=[q_proj,v_proj]", "run.name=x"])
+    with pytest.raises(ConfigError) as err:
+        base.with_values({"adapter.rank": 4, "trian.lr": 1.0, "train.lr": "fast", "deepspeed.stage": 0, "deepspeed.offload_optimizer": True})
+    text = "\n".join(err.value.problems)
+    assert len(err.value.problems) == 4, text
+    assert "adapter.rank: unknown key; did you mean 'adapter.r'?" in text and "trian.lr: not a section.key" in text
+    assert "train.lr: 'fast' is not a finite number" in text and "deepspeed.offload_optimizer: ZeRO stage 0" in text
+
+
 def test_cross_field_problems_come_together():
     found = problems(["train.micro_batch_size=0", "deepspeed.stage=0", "deepspeed.offload_optimizer=true", "deepspeed.offload_param=true"])
     keys = {p.split(":")[0] for p in found}

@@ -52,6 +52,7 @@ def test_trial_config_maps_zero_options_and_keeps_the_global_batch():
     sweep = tune.parse_sweep({"name": "s", "batch": "keep_global", "set": {"train.grad_accum_steps": 2},
                               "space": {"deepspeed.zero": {"grid": ["3+all"]}, "train.micro_batch_size": {"grid": [4, 32]}}}, KEYS)
     base = {"train": {"micro_batch_size": 16}, "run": {"storage_path": "/tmp/x"}}
+    base = tune.base_config(base, sweep)
     cfg = tune.trial_config(base, sweep, {"deepspeed.zero": "3+all", "train.micro_batch_size": 4}, "s-t1")
     assert (cfg.deepspeed.stage, cfg.deepspeed.offload_optimizer, cfg.deepspeed.offload_param) == (3, True, True)
     assert (cfg.train.micro_batch_size, cfg.train.grad_accum_steps) == (4, 8)  # 16 × 2 = 4 × 8
@@ -67,7 +68,7 @@ def test_a_trials_config_is_the_single_jobs_config_for_the_same_overrides(tmp_pa
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
     sweep = tune.parse_sweep({"name": "s", "set": {"train.max_steps": 7},
                               "space": {"deepspeed.zero": {"grid": ["2+optimizer"]}, "adapter.r": {"grid": [32]}}}, KEYS)
-    trial = tune.trial_config(base, sweep, {"deepspeed.zero": "2+optimizer", "adapter.r": 32}, "s-t1")
+    trial = tune.trial_config(tune.base_config(base, sweep), sweep, {"deepspeed.zero": "2+optimizer", "adapter.r": 32}, "s-t1")
     single = load_config(tmp_path / "base.yaml", ["train.max_steps=7", "deepspeed.stage=2", "deepspeed.offload_optimizer=true",
                                                   "adapter.r=32", "run.name=s-t1", f"run.storage_path={tmp_path}/s/trial_runs"])
     assert trial == single
@@ -76,9 +77,33 @@ def test_a_trials_config_is_the_single_jobs_config_for_the_same_overrides(tmp_pa
 def test_a_space_with_impossible_combinations_fails_before_any_trial():
     sweep = tune.parse_sweep({"space": {"deepspeed.stage": {"grid": [0, 2]}, "deepspeed.offload_optimizer": {"grid": [True]}}}, KEYS)
     with pytest.raises(tune.SweepError) as err:
-        tune.validate_space({}, sweep)
+        tune.validate_space(tune.base_config({}, sweep), sweep)
     assert len(err.value.problems) == 1
     assert "trial {deepspeed.stage=0, deepspeed.offload_optimizer=True}: deepspeed.offload_optimizer: ZeRO stage 0" in str(err.value)
+
+
+def test_trials_on_the_sweeps_data_take_it_without_reading_a_file(tmp_path, tiny_model_path):
+    """The sweep prepares its base job's data once; a trial on the same data takes it as it is (its
+    file may exist only on the sweep's node), a trial whose params change the tokens does not."""
+    from zerolab.data import DataError
+    from zerolab.run import prepare_data
+
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"instruction": f"add {k} and {k}", "output": str(2 * k)}) + "\n" for k in range(40)))
+    sweep = tune.parse_sweep({"name": "s", "space": {"adapter.r": {"grid": [4, 8]}}}, KEYS)
+    base = tune.base_config(apply_overrides({}, tiny_overrides(tmp_path, **{"data.train_path": path, "data.num_eval_rows": 0})), sweep)
+    data = tune.SweepData.prepare(base)
+    path.unlink()
+
+    trial = tune.trial_config(base, sweep, {"adapter.r": 8, "data.packing": True}, "s-t1")
+    splits = prepare_data(trial, tiny_model_path, data.for_trial(trial))
+    assert splits["train"].report.source == "sweep" and "prepared once for the sweep" in splits["train"].report.summary()
+    assert splits["train"].report.fingerprint == data.splits["train"].report.fingerprint and splits["train"].num_rows == 40
+    assert data.splits["train"].report.source in ("driver", "cache")  # the sweep's own copy is left as it was
+    other = tune.trial_config(base, sweep, {"adapter.r": 8, "data.max_seq_length": 64}, "s-t2")
+    assert data.for_trial(other) is None
+    with pytest.raises(DataError, match="no such file"):
+        prepare_data(other, tiny_model_path, data.for_trial(other))
 
 
 def test_config_errors_survive_ray_pickling():
@@ -159,6 +184,8 @@ def test_failing_and_infeasible_trials_are_reported_and_the_sweep_goes_on(tmp_pa
     _, children = child_runs(base["tracking"]["uri"], "mixed")
     skipped = [c for c in children if "zerolab.skipped" in c.data.tags]
     assert len(skipped) == 1 and skipped[0].info.status == "KILLED"
+    (finished,) = [c for c in children if c.info.status == "FINISHED"]
+    assert finished.data.params["data.train.source"] == "sweep"  # the base job's data, prepared once by the sweep
     assert "SKIPPED: memory preflight" in (tmp_path / "out" / "results.md").read_text()
 
 

@@ -241,6 +241,33 @@ class SFTConfig:
     def replace(self, **sections: Any) -> SFTConfig:
         return dataclasses.replace(self, **sections)
 
+    def with_values(self, values: dict[str, Any]) -> SFTConfig:
+        """This config with ``{"section.key": value}`` replaced (typed values, as YAML would give
+        them), checked as ``from_dict`` checks a whole config: one ConfigError lists every problem."""
+        problems: list[str] = []
+        changed: dict[str, dict[str, Any]] = {}
+        sections = {f.name: f.type for f in dataclasses.fields(self)}
+        for key, value in values.items():
+            section, _, name = key.partition(".")
+            if section not in sections or not name:
+                problems.append(f"{key}: not a section.key of the job config; the sections are {', '.join(sections)}")
+                continue
+            spec = getattr(self, section)
+            hints = typing.get_type_hints(type(spec))
+            if name not in hints:
+                problems.append(_unknown_key(name, f"{section}.", list(hints)))
+                continue
+            ok, coerced = _coerce(value, hints[name])
+            if not ok:
+                problems.append(f"{key}: {value!r} is not {_describe(hints[name])}; {_fix_hint(hints[name])}")
+                continue
+            changed.setdefault(section, {})[name] = coerced
+        cfg = dataclasses.replace(self, **{s: dataclasses.replace(getattr(self, s), **v) for s, v in changed.items()})
+        problems.extend(validate(cfg))
+        if problems:
+            raise ConfigError(problems)
+        return cfg
+
     def precision(self) -> Literal["bf16", "fp16", "fp32"]:
         """The precision the workers train in (`auto` resolved)."""
         if self.train.precision != "auto":
@@ -425,11 +452,7 @@ def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
         return cls()
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
-    for key in raw:
-        if key not in names:
-            close = [_ALIASES[key]] if _ALIASES.get(key) in names else difflib.get_close_matches(str(key), names, n=1)
-            hint = f"did you mean '{prefix}{close[0]}'?" if close else f"valid keys: {', '.join(names)}"
-            problems.append(f"{prefix}{key}: unknown key; {hint}")
+    problems.extend(_unknown_key(key, prefix, names) for key in raw if key not in names)
     kwargs = {}
     for name in names:
         if name not in raw:
@@ -444,6 +467,12 @@ def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
             else:
                 problems.append(f"{prefix}{name}: {raw[name]!r} is not {_describe(tp)}; {_fix_hint(tp)}")
     return cls(**kwargs)
+
+
+def _unknown_key(key: Any, prefix: str, names: list[str]) -> str:
+    close = [_ALIASES[key]] if _ALIASES.get(key) in names else difflib.get_close_matches(str(key), names, n=1)
+    hint = f"did you mean '{prefix}{close[0]}'?" if close else f"valid keys: {', '.join(names)}"
+    return f"{prefix}{key}: unknown key; {hint}"
 
 
 def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:

@@ -25,7 +25,7 @@ import json
 import logging
 import re
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -419,9 +419,16 @@ class SplitReport:
     """The tokens were read from the cache, not prepared again."""
     prepared_with: str = ""
     """``driver`` or ``ray data``: where the split was tokenized when it was prepared."""
+    from_sweep: bool = False
+    """A sweep trial took the tokens its sweep prepared once for all its trials (it read no file)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def source(self) -> str:
+        """Where this job's tokens came from: ``sweep``, ``cache``, ``driver`` or ``ray data``."""
+        return "sweep" if self.from_sweep else "cache" if self.from_cache else self.prepared_with
 
     def summary(self) -> str:
         line = f"{self.split}: {self.rows_used}/{self.rows_read} rows used, {self.tokens} tokens ({self.target_tokens} target)"
@@ -429,6 +436,8 @@ class SplitReport:
             reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.bad_by_reason.items()))
             line += f"; {self.rows_bad} bad rows ({reasons})"
         where = {"driver": "tokenized in the driver", "ray data": "tokenized with Ray Data"}.get(self.prepared_with, "")
+        if self.from_sweep:
+            return line + " (prepared once for the sweep)"
         return line + (" (from the cache)" if self.from_cache else f" ({where})" if where else "")
 
 
@@ -546,6 +555,13 @@ def prepare_split(split: str, path: str, cfg: SFTConfig, model_path: str) -> Pre
     prepared.report.skipped_files = skipped
     _check(prepared.report, key_name, path, cfg)
     return prepared
+
+
+def data_identity(cfg: SFTConfig) -> tuple:
+    """What decides a job's prepared splits, compared between a sweep's base job and its trials:
+    the data section (``data.packing`` aside: packing happens in the batcher) and the model whose
+    tokenizer reads it."""
+    return replace(cfg.data, packing=False), cfg.model.name_or_path, cfg.model.revision, cfg.model.trust_remote_code
 
 
 def cache_key(data_fingerprint: str, model: dict[str, Any], *, system_prompt: str, task: str, max_seq_length: int) -> str:

@@ -62,7 +62,8 @@ class RunResult:
 
 
 def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: bool = False, force: bool = False,
-            parent_run_id: str | None = None, in_tune: bool = False, launched: float | None = None) -> RunResult:
+            parent_run_id: str | None = None, in_tune: bool = False, launched: float | None = None,
+            shared_data: dict[str, PreparedSplit] | None = None) -> RunResult:
     """Run one SFT job end to end and return where its results are.
 
     A run is its run folder (``run.storage_path/run.name``) plus its MLflow run, each recording the
@@ -81,6 +82,7 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
     Under Ray Tune (``in_tune``, from :mod:`zerolab.tune`) every logged window is reported to the
     trial, and the MLflow run is a child of ``parent_run_id``. ``launched`` (the job process's
     start time) starts the start-up clock and ``run.max_wall_time_s``; by default, the call.
+    ``shared_data``: the splits a sweep prepared once for its trials (:func:`prepare_data`).
     """
     clock = StartupClock(launched)
     cfg = with_run_name(cfg)
@@ -95,7 +97,7 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
         connect_ray(cfg)
         check_resources(cfg)
         clock.mark("Ray")
-        plan = plan_job(cfg, force=force, clock=clock)
+        plan = plan_job(cfg, force=force, clock=clock, shared_data=shared_data)
         if resume.checkpoint:
             logger.info("%s %s from %s", "continuing finished run" if resume.extends else "resuming", cfg.run.name, resume.checkpoint)
         warn_if_node_local(uri)
@@ -187,13 +189,15 @@ class JobPlan:
         return {name: split.report for name, split in self.splits.items()}
 
 
-def plan_job(cfg: SFTConfig, *, force: bool = False, clock: StartupClock | None = None) -> JobPlan:
+def plan_job(cfg: SFTConfig, *, force: bool = False, clock: StartupClock | None = None,
+             shared_data: dict[str, PreparedSplit] | None = None) -> JobPlan:
     """Resolve ``cfg`` against its model, data and cluster (Ray connected): raises ConfigError,
-    DataError, ModelLoadError or MemoryPreflightError (unless ``force``) for what cannot run."""
+    DataError, ModelLoadError or MemoryPreflightError (unless ``force``) for what cannot run.
+    ``shared_data``: a sweep's splits for this trial (:func:`prepare_data`)."""
     model_path = resolve_model_path(cfg.model.name_or_path)
     model_config = load_model_config(cfg)
     resolved_ds = check_against_model(cfg, model_config)
-    splits = prepare_data(cfg, model_path)
+    splits = prepare_data(cfg, model_path, shared_data)
     if clock:
         clock.mark("model config and data")
     memory = check_memory(cfg, model_config, force=force, datasets=splits)
@@ -655,13 +659,22 @@ def check_against_model(cfg: SFTConfig, model_config: Any) -> dict[str, Any]:
     return resolved
 
 
-def prepare_data(cfg: SFTConfig, model_path: str) -> dict[str, PreparedSplit]:
-    """Each split's tokenized rows, with its report (from the tokenized-data cache when unchanged)."""
-    splits = {}
-    for split, path in dataset_paths(cfg).items():
-        started = time.monotonic()
-        splits[split] = prepare_split(split, path, cfg, model_path)
-        logger.info("data %s, in %.1f s", splits[split].report.summary(), time.monotonic() - started)
+def prepare_data(cfg: SFTConfig, model_path: str, shared: dict[str, PreparedSplit] | None = None) -> dict[str, PreparedSplit]:
+    """Each split's tokenized rows, with its report (from the tokenized-data cache when unchanged).
+
+    ``shared``: the splits a sweep prepared once for trials on its data (:func:`zerolab.data.data_identity`);
+    they are taken as they are, so a trial reads no data file (which may exist only on the sweep's
+    node) and does not prepare the data again."""
+    if shared is not None:
+        splits = {name: replace(split, report=replace(split.report, from_sweep=True)) for name, split in shared.items()}
+        for split in splits.values():
+            logger.info("data %s", split.report.summary())
+    else:
+        splits = {}
+        for split, path in dataset_paths(cfg).items():
+            started = time.monotonic()
+            splits[split] = prepare_split(split, path, cfg, model_path)
+            logger.info("data %s, in %.1f s", splits[split].report.summary(), time.monotonic() - started)
     train = splits["train"].report
     if train.rows_used < cfg.world_size():
         raise DataError(
@@ -709,6 +722,7 @@ def derived_params(cfg: SFTConfig, reports: dict[str, SplitReport], commit: str 
         params[f"data.{split}.rows_bad"] = report.rows_bad
         params[f"data.{split}.bad_reasons"] = ", ".join(f"{k}: {v}" for k, v in sorted(report.bad_by_reason.items())) or "none"
         params[f"data.{split}.tokens"] = report.tokens
+        params[f"data.{split}.source"] = report.source
     return params
 
 

@@ -37,7 +37,7 @@ import yaml
 from ray.tune import Callback
 
 from zerolab import tracking
-from zerolab.config import ConfigError, SFTConfig, apply_overrides
+from zerolab.config import ConfigError, SFTConfig
 from zerolab.zero import ZERO_KEYS, Option
 
 logger = logging.getLogger("zerolab.tune")
@@ -227,29 +227,29 @@ def parse_sweep(raw: Any, config_keys: set[str], default_name: str = "sweep") ->
     return sweep
 
 
-def trial_config(base: dict[str, Any], sweep: Sweep, params: dict[str, Any], run_name: str) -> SFTConfig:
-    """The job config of one trial: the base job, the sweep's ``set``, the trial's params, its own
-    run name and a run folder inside the sweep's. Raises ConfigError."""
-    values = {**sweep.overrides, **params}
+def trial_config(base: SFTConfig, sweep: Sweep, params: dict[str, Any], run_name: str) -> SFTConfig:
+    """The job config of one trial: ``base`` (the base job with the sweep's ``set``, from
+    :func:`base_config`) with the trial's params, its own run name and a run folder inside the
+    sweep's. Raises ConfigError."""
+    values = dict(params)
     zero = values.pop("deepspeed.zero", None)
     if zero is not None:
         values.update(Option.parse(zero).values())
-    base_cfg = base_config(base, sweep)
     if "train.micro_batch_size" in params and sweep.batch == "keep_global":
-        per_step = base_cfg.train.micro_batch_size * base_cfg.train.grad_accum_steps
+        per_step = base.train.micro_batch_size * base.train.grad_accum_steps
         micro = int(params["train.micro_batch_size"])
         if per_step % micro:
             raise ConfigError([f"train.micro_batch_size={micro}: batch: keep_global needs it to divide micro_batch_size × "
                                f"grad_accum_steps = {per_step} of the base job"])
         values["train.grad_accum_steps"] = per_step // micro
     values["run.name"] = run_name
-    values["run.storage_path"] = f"{sweep_path(base_cfg, sweep)}/trial_runs"
-    return SFTConfig.from_dict(apply_overrides(base, [f"{k}={_yaml(v)}" for k, v in values.items()]))
+    values["run.storage_path"] = f"{sweep_path(base, sweep)}/trial_runs"
+    return base.with_values(values)
 
 
 def base_config(base: dict[str, Any], sweep: Sweep) -> SFTConfig:
-    """The base job with the sweep's ``set`` applied."""
-    return SFTConfig.from_dict(apply_overrides(base, [f"{k}={_yaml(v)}" for k, v in sweep.overrides.items()]))
+    """The base job with the sweep's ``set`` applied: what every trial's config starts from."""
+    return SFTConfig.from_dict(base).with_values(sweep.overrides)
 
 
 def sweep_path(cfg: SFTConfig, sweep_name: Sweep | str) -> str:
@@ -259,13 +259,10 @@ def sweep_path(cfg: SFTConfig, sweep_name: Sweep | str) -> str:
     return f"{storage.rstrip('/')}/{name}"
 
 
-def _yaml(value: Any) -> str:
-    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
-
-
-def validate_space(base: dict[str, Any], sweep: Sweep) -> list[dict[str, Any]]:
-    """Build the config of every grid point (or of sampled points), so a bad space fails before any
-    trial starts. Returns the points checked; raises SweepError listing each bad one."""
+def validate_space(base: SFTConfig, sweep: Sweep) -> list[dict[str, Any]]:
+    """Build the config of every grid point (or of sampled points) from the base job (from
+    :func:`base_config`), so a bad space fails before any trial starts. Returns the points
+    checked; raises SweepError listing each bad one."""
     from zerolab import ds_config
 
     points = sweep.samples()
@@ -305,9 +302,33 @@ class TrialRow:
     note: str = ""
 
 
-def trial_function(config: dict[str, Any], *, base: dict[str, Any], sweep: Sweep, parent_run_id: str, uri: str) -> None:
-    """One trial: run the SFT job for these params as a child MLflow run. A trial the memory
-    estimator refuses reports itself skipped (with the reason) instead of launching workers."""
+@dataclass(frozen=True)
+class SweepData:
+    """The base job's splits, prepared once on the sweep's driver and handed to every trial on the
+    same data (:func:`zerolab.data.data_identity`); a trial whose params change the data prepares its own."""
+
+    identity: tuple
+    splits: dict[str, Any]
+
+    @classmethod
+    def prepare(cls, base: SFTConfig) -> SweepData:
+        """Raises DataError (or ModelLoadError) for data no trial could train on."""
+        from zerolab.data import data_identity
+        from zerolab.models import resolve_model_path
+        from zerolab.run import prepare_data
+
+        return cls(data_identity(base), prepare_data(base, resolve_model_path(base.model.name_or_path)))
+
+    def for_trial(self, cfg: SFTConfig) -> dict[str, Any] | None:
+        from zerolab.data import data_identity
+
+        return self.splits if data_identity(cfg) == self.identity else None
+
+
+def trial_function(config: dict[str, Any], *, base: SFTConfig, sweep: Sweep, data: SweepData, parent_run_id: str, uri: str) -> None:
+    """One trial: run the SFT job for these params as a child MLflow run, on the sweep's prepared
+    data. A trial the memory estimator refuses reports itself skipped (with the reason) instead of
+    launching workers."""
     import ray.tune
 
     from zerolab import memory
@@ -318,7 +339,7 @@ def trial_function(config: dict[str, Any], *, base: dict[str, Any], sweep: Sweep
     cfg = trial_config(base, sweep, config, run_name=f"{sweep.name}-{trial_id}")
     cfg = cfg.replace(tracking=replace(cfg.tracking, uri=uri, register=False))
     try:
-        run_sft(cfg, parent_run_id=parent_run_id, in_tune=True)
+        run_sft(cfg, parent_run_id=parent_run_id, in_tune=True, shared_data=data.for_trial(cfg))
     except RunFinished as exc:
         # Resumed sweeps rerun a trial whose run finished after Tune's last saved result: its
         # run's final metrics are the trial's result; nothing trains again.
@@ -340,20 +361,21 @@ def run_sweep(base: dict[str, Any], sweep: Sweep, *, resume: bool = False, out_d
 
     from zerolab.run import connect_ray, shutdown_ray
 
-    points = validate_space(base, sweep)
     base_cfg = base_config(base, sweep)
+    points = validate_space(base_cfg, sweep)
     connect_ray(base_cfg, log_to_driver=False)
     uri = tracking.tracking_uri(base_cfg.tracking.uri, base_cfg.run.storage_path)
     try:
+        data = SweepData.prepare(base_cfg)
         with tracking.tracked_run(uri, base_cfg.tracking.experiment, sweep.name, tags={"zerolab.sweep": sweep.name}) as parent:
             parent_id = parent.run_id
             logger.info("sweep %s: MLflow parent run %s (%s); %s search over %s", sweep.name, parent_id,
                         "resumed" if parent.resumed else "new", sweep.search, ", ".join(d.key for d in sweep.space))
             if sweep.search == "grid":
-                _announce_skips(base, sweep, points)
+                _announce_skips(base_cfg, sweep, points, data)
             concurrent = sweep.max_concurrent_trials or max_concurrent(base_cfg)
             trainable = tune.with_resources(
-                tune.with_parameters(trial_function, base=base, sweep=sweep, parent_run_id=parent_id, uri=uri),
+                tune.with_parameters(trial_function, base=base_cfg, sweep=sweep, data=data, parent_run_id=parent_id, uri=uri),
                 # The trial only drives Ray Train; its workers reserve the CPUs/GPUs. Tune needs a non-empty
                 # request, and a byte of memory takes nothing the workers need.
                 {"memory": 1})
@@ -384,7 +406,7 @@ def run_sweep(base: dict[str, Any], sweep: Sweep, *, resume: bool = False, out_d
             write_results(rows, sweep, uri, base_cfg.tracking.experiment, parent_id, results_dir(sweep, out_dir))
             best = next((r for r in rows if r.status == "FINISHED" and r.objective is not None), None)
             if best is not None:
-                _log_yaml(uri, parent_id, "best_config.yaml", trial_config(base, sweep, best.params, best.run_name).to_dict())
+                _log_yaml(uri, parent_id, "best_config.yaml", trial_config(base_cfg, sweep, best.params, best.run_name).to_dict())
                 parent.log_params({"sweep.best_trial": best.trial_id})
                 parent.log_metrics({f"best/{sweep.metric}": best.objective}, step=0)
             parent.status = "FINISHED"
@@ -393,18 +415,23 @@ def run_sweep(base: dict[str, Any], sweep: Sweep, *, resume: bool = False, out_d
         shutdown_ray()
 
 
-def _announce_skips(base: dict[str, Any], sweep: Sweep, points: list[dict[str, Any]]) -> None:
-    """Before the sweep: which grid points the memory estimator says will not fit."""
+def _announce_skips(base: SFTConfig, sweep: Sweep, points: list[dict[str, Any]], data: SweepData) -> None:
+    """Before the sweep: which grid points the memory estimator says will not fit (by their data,
+    as the trials will check them)."""
     from zerolab import memory
     from zerolab.models import ModelLoadError
-    from zerolab.run import EnvironmentProblem, cluster_limits
+    from zerolab.run import EnvironmentProblem, cluster_limits, shard_lengths
 
-    limits = None
+    limits, model_configs = None, {}
     for point in points:
-        cfg = trial_config(base, sweep, point, f"{sweep.name}-check")
         try:
+            cfg = trial_config(base, sweep, point, f"{sweep.name}-check")
             limits = limits or cluster_limits(cfg)
-            memory.preflight(cfg, memory.load_model_config(cfg), limits)
+            model = (cfg.model.name_or_path, cfg.model.revision)
+            if model not in model_configs:
+                model_configs[model] = memory.load_model_config(cfg)
+            splits = data.for_trial(cfg)
+            memory.preflight(cfg, model_configs[model], limits, data=shard_lengths(splits, cfg.world_size()) if splits else None)
         except memory.MemoryPreflightError as exc:
             label = ", ".join(f"{k}={v}" for k, v in point.items())
             logger.warning("will skip {%s}: %s", label, str(exc).splitlines()[0])
