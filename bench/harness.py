@@ -133,6 +133,15 @@ SUITES: dict[str, list[Run]] = {
                         for stage, variant, overrides in ((2, "", ()), (3, "leaf", ()), (3, "noleaf", ("deepspeed.z3_leaf_layers=false",)))],
     # 7B on one GPU with 2 packed 4k rows per micro-batch: twice the work per kernel launch.
     "single-7b-mb2": [Run("zerolab", "qwen2.5-7b", micro_batch=2, steps=12, window=6, variant="mb2", timeout_s=240)],
+    # Regional compilation (model.compile) on one GPU, ZeRO-0, 1 packed 4k row: eager and compiled
+    # layers alternating, twice each, with Liger's kernels and without (Inductor fuses the norms and
+    # SwiGLU itself). 16 steps, the last 8 measured: the first steps compile.
+    "compile-7b": [Run("zerolab", "qwen2.5-7b", steps=16, window=8, variant=f"{label}-{rep}", kernels=k, timeout_s=360,
+                       overrides=(f"model.compile={str(c).lower()}",))
+                   for rep in (1, 2) for label, c, k in (("eager", False, "auto"), ("compile", True, "auto"), ("compile-nokernels", True, "none"))],
+    # The ZeRO-3 target with compiled layers: ZeRO-2 and ZeRO-3 (leaf layers) on two GPUs, 1 packed 4k row.
+    "compile-zero3-7b-2gpu": [Run("zerolab", "qwen2.5-7b", gpus=2, stage=stage, steps=12, window=6, variant="compile", timeout_s=360,
+                                  overrides=("model.compile=true",)) for stage in (2, 3)],
     # CPU smoke test of the harness itself (tiny model, no GPU): every system runs a few steps.
     "cpu-smoke": [Run(s, "tiny", micro_batch=2, steps=4, window=2, checkpointing=s == "seeds", attn="sdpa", kernels="none",
                       timeout_s=600) for s in SYSTEMS],

@@ -265,3 +265,46 @@ def test_fused_lora_leaves_disabled_and_merged_adapters_to_peft(tiny_model_path)
     assert not torch.allclose(base, adapted)
     model.merge_adapter()
     torch.testing.assert_close(model(input_ids=ids).logits, adapted, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_decoder_layers_give_the_eager_loss_and_gradients(request, device):
+    """Regional compilation (``model.compile``) against the same layers run eagerly, on padded
+    batches of three lengths and two sizes: the loss and every adapter gradient; the compiled
+    graphs serve every layer and every shape (one for the first layer, whose input needs no
+    gradient, one for the rest) and nothing breaks the graph."""
+    import torch._dynamo
+
+    from zerolab.adapters import apply_adapter
+    from zerolab.config import AdapterSpec
+    from zerolab.models import decoder_layers
+
+    spec, dtype = model_for(request, device)
+    batches = MicroBatches(rows_of([6, 7, 19, 22, 30, 31, 12, 9], seed=4), micro_batch_size=3, max_seq_length=64, packing=False,
+                           pad_id=0, seed=0).sequential()
+    assert [tuple(b.inputs["input_ids"].shape) for b in batches] == [(3, 19), (3, 31), (2, 12)]
+
+    def build(compiled: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        base = load_model(spec, dtype)
+        base.config.use_cache = False  # as the workers build it
+        model = apply_adapter(base, AdapterSpec(method="lora", r=4, alpha=8, dropout=0.0), 10).to(device=device, dtype=dtype)
+        with torch.no_grad():  # lora_B starts at zero, which would hide its product
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(std=0.05)
+        kernels.fuse_lora(model)
+        if compiled:
+            assert kernels.compile_layers(decoder_layers(model)) == len(decoder_layers(model)) > 1
+        return model
+
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    eager, compiled = build(False), build(True)
+    tol = BF16_TOL if dtype == torch.bfloat16 else FP32_TOL
+    for batch in batches:
+        inputs = on(batch.inputs, device)
+        assert_same_loss_and_grads(loss_and_grads(compiled, inputs), loss_and_grads(eager, inputs), tol)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])

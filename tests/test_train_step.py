@@ -163,7 +163,7 @@ def test_fused_loss_reads_the_zero3_partitioned_head():
 LEAF_VARIANTS = {"ZeRO-2": (2, False), "ZeRO-3": (3, False), "ZeRO-3 leaf layers": (3, True)}
 
 
-def leaf_config(stage: int, leaf: bool, method: str, gradient_checkpointing: bool) -> tuple:
+def leaf_config(stage: int, leaf: bool, method: str, gradient_checkpointing: bool, compiled: bool = False) -> tuple:
     """zerolab's config and resolved DeepSpeed JSON for 2 ranks. Under ZeRO-3 nothing is prefetched
     or kept for reuse, so every frozen weight is released after each use and gathered again (in the
     backward pass and in the recomputation of gradient checkpointing)."""
@@ -175,6 +175,7 @@ def leaf_config(stage: int, leaf: bool, method: str, gradient_checkpointing: boo
 
     cfg = load_config(None, [f"deepspeed.stage={stage}", f"deepspeed.z3_leaf_layers={str(leaf).lower()}", f"adapter.method={method}",
                              f"model.gradient_checkpointing={str(gradient_checkpointing).lower()}", "adapter.dropout=0",
+                             f"model.compile={str(compiled).lower()}",
                              "train.micro_batch_size=2", f"train.grad_accum_steps={ACCUM}", "train.lr=1e-2", "train.warmup_ratio=0",
                              "train.lr_scheduler=constant"])
     resolved = ds_config.resolve(cfg, AutoConfig.from_pretrained(build_tiny_model()).hidden_size)
@@ -195,7 +196,7 @@ def leaf_worker(rank: int, method: str, gradient_checkpointing: bool, port: int,
             results[name] = trained
 
 
-def train_variant(rank: int, stage: int, leaf: bool, method: str, gradient_checkpointing: bool) -> tuple:
+def train_variant(rank: int, stage: int, leaf: bool, method: str, gradient_checkpointing: bool, compiled: bool = False) -> tuple:
     """The losses of two optimizer steps, then the trainable parameters' gradients of a third and
     the weights after it."""
     import deepspeed
@@ -203,7 +204,7 @@ def train_variant(rank: int, stage: int, leaf: bool, method: str, gradient_check
 
     from zerolab.train import _build_model, initialize_engine, optimizer_step
 
-    cfg, resolved = leaf_config(stage, leaf, method, gradient_checkpointing)
+    cfg, resolved = leaf_config(stage, leaf, method, gradient_checkpointing, compiled)
     torch.manual_seed(0)
     engine = initialize_engine(_build_model(cfg, resolved, total_steps=10), cfg, resolved, total_steps=10)
     engine.train()
@@ -248,6 +249,46 @@ def test_zero3_leaf_layers_train_as_per_module_zero3_and_zero2(method, gradient_
             torch.testing.assert_close(grads[n], g, rtol=1e-3, atol=2e-4 * g.abs().max().item(), msg=f"{reference}: {n}")
             # lr 1e-2: a weight AdamW moves by the wrong gradient is off by about that much.
             torch.testing.assert_close(weights[n], ref_weights[n], rtol=0, atol=1e-3, msg=f"{reference}: {n}")
+
+
+def compile_worker(rank: int, gradient_checkpointing: bool, port: int, results: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                      DS_ACCELERATOR="cpu")
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    import torch._dynamo
+
+    counters = torch._dynamo.utils.counters
+    for name in ("ZeRO-2", "ZeRO-3 leaf layers"):  # ZeRO-2 first: _build_model keeps ZeRO-3's HfDeepSpeedConfig
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            counters.clear()
+            trained = train_variant(rank, *LEAF_VARIANTS[name], "lora", gradient_checkpointing, compiled)
+            if rank == 0:
+                results[(name, compiled)] = trained
+                results[(name, "graphs")] = (counters["stats"]["unique_graphs"], dict(counters["graph_break"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gradient_checkpointing", [False, True], ids=["no-checkpointing", "checkpointing"])
+def test_compiled_decoder_layers_train_as_eager_ones_under_zero2_and_zero3(gradient_checkpointing):
+    """``model.compile`` under DeepSpeed on 2 ranks: ZeRO-2 (fused LoRA inside the compiled layer)
+    and ZeRO-3 with leaf layers (the gathers stay in the eager hooks around the compiled forward),
+    with and without recomputation: the losses, gradients and updated weights of eager layers."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(compile_worker, args=(gradient_checkpointing, free_port(), results), nprocs=2)
+        results = dict(results)
+    for name in ("ZeRO-2", "ZeRO-3 leaf layers"):
+        graphs, breaks = results[(name, "graphs")]
+        assert 0 < graphs <= 4 and not breaks, (name, graphs, breaks)  # one graph per shape serves every layer, whole
+        (losses, grads, weights), (ref_losses, ref_grads, ref_weights) = results[(name, True)], results[(name, False)]
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        assert grads.keys() == ref_grads.keys() and grads
+        for n, g in ref_grads.items():
+            torch.testing.assert_close(grads[n], g, rtol=1e-3, atol=2e-4 * g.abs().max().item(), msg=f"{name}: {n}")
+            torch.testing.assert_close(weights[n], ref_weights[n], rtol=0, atol=1e-3, msg=f"{name}: {n}")
 
 
 def gather_count_worker(rank: int, port: int, results: dict) -> None:

@@ -54,6 +54,8 @@ class ModelSpec:
     """Fused kernels: Liger Kernel's Triton RMSNorm, SwiGLU, RoPE and linear + cross-entropy (`auto`: on GPU where the package is installed; `liger`: required) and LoRA's scale+add fused into one matrix product (any device, ZeRO 0-2); `none`: Hugging Face's and peft's own modules."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about a third more compute."""
+    compile: bool = False
+    """`torch.compile` each decoder layer (regional: the compiled graphs serve every layer; fewer, fused kernels); the first steps compile. Meant for GPUs (gain not yet measured there: docs/benchmark.md); on CPU it is slower."""
     trust_remote_code: bool = False
     """Allow model code from the hub repository to run (only for models you trust)."""
 

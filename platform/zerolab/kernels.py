@@ -22,6 +22,12 @@
   accumulates the adapter's input gradient into the base product's instead of autograd adding the
   two. Plain LoRA (rsLoRA too) with one active adapter, on any device, below ZeRO-3 (whose hooks
   partition and gather weights around module calls); other layers keep peft's forward.
+- Regional compilation (``model.compile``, ``compile_layers``): each decoder layer's forward goes
+  through ``torch.compile`` (Inductor), which fuses its elementwise work (norms, RoPE, SwiGLU,
+  residual adds, LoRA's dropout and scale) into fewer kernels and launches them from generated
+  code. All layers run the same code, so one compiled graph (and one for a second, dynamic
+  sequence length) serves all of them. Only ``forward`` is compiled: the hooks around the layer's
+  call (DeepSpeed's ZeRO-3 gathers, gradient checkpointing) stay eager. Any device, any stage.
 """
 
 from __future__ import annotations
@@ -290,5 +296,25 @@ class _LoRALinear(torch.autograd.Function):
         return grad_x, None, None, grad_a, grad_b, None
 
 
-__all__ = ["CU_SEQLENS_KEY", "VARLEN_ATTENTION", "apply_liger", "fuse_lora", "liger_available", "packed_cu_seqlens", "resolve_attention",
+# --- regional compilation ------------------------------------------------------------------------
+
+
+def compile_layers(layers: list[torch.nn.Module]) -> int:
+    """Compile the ``forward`` of each of ``layers`` (the model's decoder layers) with
+    ``torch.compile``; returns how many. Call once the layers are final (adapters applied and
+    fused), before ``deepspeed.initialize``.
+
+    Shapes are dynamic from the first compile: padded batches change their length with every batch
+    and the last batch of an epoch has fewer rows, and each new static shape compiled the layer
+    again until Dynamo's recompile limit sent the rest of the run back to eager layers (a CPU run of
+    the embedded default, by its 60th step). What still compiles separately, once each: the first
+    layer (its input from frozen embeddings needs no gradient) and the others; a batch without
+    padding (no attention mask); the evaluation's forward without gradients (five graphs in that run).
+    """
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, dynamic=True)
+    return len(layers)
+
+
+__all__ = ["CU_SEQLENS_KEY", "VARLEN_ATTENTION", "apply_liger", "compile_layers", "fuse_lora", "liger_available", "packed_cu_seqlens", "resolve_attention",
            "use_fused_loss", "use_liger", "varlen_attention_forward", "varlen_unavailable_reason"]

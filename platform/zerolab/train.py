@@ -35,7 +35,7 @@ from zerolab.batches import Batch, MicroBatches
 from zerolab.cadence import STOPPED_AT_DEADLINE, Cadence
 from zerolab.config import SFTConfig
 from zerolab.data import load_shard, quiet_ray_data_logging
-from zerolab.models import load_model, load_tokenizer
+from zerolab.models import decoder_layers, load_model, load_tokenizer
 
 logger = logging.getLogger("zerolab.train")
 
@@ -235,6 +235,8 @@ def _build_model(cfg: SFTConfig, ds_config: dict, total_steps: int, device: torc
     model = adapters.apply_adapter(model, cfg.adapter, total_steps)
     if cfg.model.kernels != "none":
         kernels.fuse_lora(model)
+    if cfg.model.compile:
+        log_rank0("torch.compile: %d decoder layers (the first steps compile)", kernels.compile_layers(decoder_layers(model)))
     return model
 
 
@@ -287,8 +289,6 @@ def make_zero3_leaf_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     every other layer does); a training layer that gets no positional tensor input is an error.
     """
     from deepspeed.utils import set_z3_leaf_modules
-
-    from zerolab.models import decoder_layers
 
     layers = decoder_layers(model)
     if not layers:
