@@ -272,17 +272,31 @@ def test_compiled_decoder_layers_give_the_eager_loss_and_gradients(request, devi
     """Regional compilation (``model.compile``) against the same layers run eagerly, on padded
     batches of three lengths and two sizes: the loss and every adapter gradient; the compiled
     graphs serve every layer and every shape (one for the first layer, whose input needs no
-    gradient, one for the rest) and nothing breaks the graph."""
-    import torch._dynamo
-
-    from zerolab.adapters import apply_adapter
-    from zerolab.config import AdapterSpec
-    from zerolab.models import decoder_layers
+    gradient, one for the rest) and nothing breaks the graph. Compiled in a fresh process, so
+    Inductor's state and compile workers stay out of the rest of the suite."""
+    import concurrent.futures
+    import multiprocessing
 
     spec, dtype = model_for(request, device)
     batches = MicroBatches(rows_of([6, 7, 19, 22, 30, 31, 12, 9], seed=4), micro_batch_size=3, max_seq_length=64, packing=False,
                            pad_id=0, seed=0).sequential()
     assert [tuple(b.inputs["input_ids"].shape) for b in batches] == [(3, 19), (3, 31), (2, 12)]
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pairs, graphs, breaks = pool.submit(_compiled_and_eager, spec, dtype, device, [b.inputs for b in batches]).result()
+    tol = BF16_TOL if dtype == torch.bfloat16 else FP32_TOL
+    for compiled, eager in pairs:
+        assert_same_loss_and_grads(compiled, eager, tol)
+    assert not breaks, breaks
+    assert graphs == 2, graphs
+
+
+def _compiled_and_eager(spec: ModelSpec, dtype: torch.dtype, device: str, batches: list) -> tuple:
+    """((compiled, eager) loss and gradients per batch, Dynamo's graphs, its graph breaks)."""
+    import torch._dynamo
+
+    from zerolab.adapters import apply_adapter
+    from zerolab.config import AdapterSpec
+    from zerolab.models import decoder_layers
 
     def build(compiled: bool) -> torch.nn.Module:
         torch.manual_seed(0)
@@ -298,13 +312,11 @@ def test_compiled_decoder_layers_give_the_eager_loss_and_gradients(request, devi
             assert kernels.compile_layers(decoder_layers(model)) == len(decoder_layers(model)) > 1
         return model
 
-    torch._dynamo.reset()
+    compiled, eager = build(True), build(False)
+    pairs = []
+    for inputs in batches:
+        inputs = on(inputs, device)
+        pairs.append(tuple((loss.cpu(), {k: g.cpu() for k, g in grads.items()})
+                           for loss, grads in (loss_and_grads(compiled, inputs), loss_and_grads(eager, inputs))))
     counters = torch._dynamo.utils.counters
-    counters.clear()
-    eager, compiled = build(False), build(True)
-    tol = BF16_TOL if dtype == torch.bfloat16 else FP32_TOL
-    for batch in batches:
-        inputs = on(batch.inputs, device)
-        assert_same_loss_and_grads(loss_and_grads(compiled, inputs), loss_and_grads(eager, inputs), tol)
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    return pairs, counters["stats"]["unique_graphs"], dict(counters["graph_break"])

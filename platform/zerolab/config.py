@@ -248,7 +248,7 @@ class SFTConfig:
         them), checked as ``from_dict`` checks a whole config: one ConfigError lists every problem."""
         problems: list[str] = []
         changed: dict[str, dict[str, Any]] = {}
-        sections = {f.name: f.type for f in dataclasses.fields(self)}
+        sections = [f.name for f in dataclasses.fields(self)]
         for key, value in values.items():
             section, _, name = key.partition(".")
             if section not in sections or not name:
