@@ -267,6 +267,7 @@ def compile_worker(rank: int, gradient_checkpointing: bool, port: int, results: 
             trained = train_variant(rank, *LEAF_VARIANTS[name], "lora", gradient_checkpointing, compiled)
             if rank == 0:
                 results[(name, compiled)] = trained
+            if rank == 0 and compiled:
                 results[(name, "graphs")] = (counters["stats"]["unique_graphs"], dict(counters["graph_break"]))
 
 
