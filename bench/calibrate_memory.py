@@ -194,6 +194,21 @@ CASES: dict[str, list[Case]] = {
         Case("qwen2.5-0.5b", "rslora", 1, micro_batch=16, seq_len=128, packing=False, steps=4),
         Case("qwen2.5-0.5b", "dora", 0, micro_batch=2, seq_len=4096, data="mix", checkpointing=True, steps=4),
     ],
+    # The fourth held-out set, after the ZeRO-0 gradient all-reduce bucket is counted: two lists side
+    # by side on one GPU, fitted to nothing. fp32 AdaLoRA and full fine-tuning in shapes and stages
+    # not run before, bf16 7B loads under the shipped (lazy) loader, ZeRO-3 on one GPU.
+    "held-out-d-7b": [
+        Case("qwen2.5-7b", "lora", 0, micro_batch=4, seq_len=1024, packing=False, data="mix", checkpointing=True, steps=3),
+        Case("qwen2.5-7b", "adalora", 0, micro_batch=1, seq_len=2048, data="mix", checkpointing=True, precision="fp32", steps=3),
+        Case("qwen2.5-7b", "rslora", 3, micro_batch=1, seq_len=4096, data="mix", checkpointing=True, steps=3),
+    ],
+    "held-out-d-0.5b": [
+        Case("qwen2.5-0.5b", "full", 2, micro_batch=8, seq_len=512, packing=False, data="mix", precision="fp32", steps=4),
+        Case("qwen2.5-0.5b", "adalora", 0, micro_batch=1, seq_len=4096, data="mix", precision="fp32", steps=4),
+        Case("qwen2.5-0.5b", "lora", 3, "all", micro_batch=16, seq_len=128, packing=False, steps=4),
+        Case("qwen2.5-0.5b", "full", 3, micro_batch=4, seq_len=512, packing=False, data="mix", steps=4),
+        Case("qwen2.5-0.5b", "dora", 2, micro_batch=2, seq_len=1024, data="mix", steps=4),
+    ],
     "tiny": [Case("tiny", "lora", 2, workers=2, micro_batch=32, seq_len=512, gpu=False, steps=4),
              Case("tiny", "lora", 3, "all", workers=2, micro_batch=8, seq_len=128, gpu=False, steps=4)],
 }
