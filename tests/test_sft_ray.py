@@ -100,3 +100,37 @@ def test_target_modules_are_checked_against_the_model(ray_cluster, tmp_path, tin
     cfg = load_config(None, tiny_overrides(tmp_path, **{"adapter.target_modules": "[q_proj,c_attn]"}))
     with pytest.raises(ConfigError, match=r"adapter.target_modules: \['c_attn'\] are not linear modules"):
         run_sft(cfg)
+
+
+def test_one_worker_trains_in_the_jobs_process_as_a_ray_worker_would(ray_cluster, tmp_path, tiny_model_path):
+    """With one worker, ``scaling.launch=auto`` trains in the job's own process (Ray Train's local
+    mode: no worker group to start). It trains what a Ray Train worker trains for the same seed,
+    writes its checkpoints into the run folder as Ray Train does (the oldest beyond
+    ``train.keep_checkpoints`` deleted), and a relaunch in either mode resumes the other's run."""
+    from mlflow import MlflowClient
+
+    from zerolab.checkpoints import RunFolder
+
+    base = tiny_overrides(tmp_path, **{"scaling.num_workers": 1, "train.max_steps": 6, "train.checkpoint_every_n_steps": 2,
+                                       "train.keep_checkpoints": 2})
+    driver = run_sft(load_config(None, [*base, "run.name=in-driver"]))
+    worker = run_sft(load_config(None, [*base, "run.name=in-worker", "scaling.launch=workers"]))
+    client = MlflowClient(driver.tracking_uri)
+    assert client.get_run(driver.run_id).data.params["derived.launch"] == "driver"
+    assert client.get_run(worker.run_id).data.params["derived.launch"] == "workers"
+    assert loss_history(driver.tracking_uri, driver.run_id) == pytest.approx(loss_history(worker.tracking_uri, worker.run_id), rel=1e-4)
+    ours, theirs = trained_state(Path(driver.checkpoint_path), 2), trained_state(Path(worker.checkpoint_path), 2)
+    assert ours.keys() == theirs.keys()
+    assert all(torch.allclose(ours[k].float(), theirs[k].float(), atol=1e-5) for k in ours)
+    folder = RunFolder.of(load_config(None, [*base, "run.name=in-driver"]), str(tmp_path / "runs"))
+    assert folder.checkpoint_names() == ["checkpoint_0000004", "checkpoint_0000006"]
+    assert not (Path(folder.path) / "checkpoint_0000002").exists() and (Path(folder.path) / "checkpoint_0000004").is_dir()
+
+    # Continued with more steps, each by the other mode, in the same MLflow runs.
+    more_driver = run_sft(load_config(None, [*base, "run.name=in-driver", "train.max_steps=8", "scaling.launch=workers"]))
+    more_worker = run_sft(load_config(None, [*base, "run.name=in-worker", "train.max_steps=8"]))
+    for before, after in ((driver, more_driver), (worker, more_worker)):
+        assert after.run_id == before.run_id and after.checkpoint_path.endswith("checkpoint_0000008")
+        history = client.get_metric_history(after.run_id, "train/resumed_from_step")
+        assert [m.step for m in history] == [6]
+    assert loss_history(driver.tracking_uri, driver.run_id) == pytest.approx(loss_history(worker.tracking_uri, worker.run_id), rel=1e-4)

@@ -26,6 +26,7 @@ import struct
 import zipfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import pyarrow.fs as pafs
@@ -44,7 +45,7 @@ SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
 RESUME_SAFE_KEYS = {
     "train.log_every_n_steps", "train.checkpoint_every_n_steps", "train.keep_checkpoints",
     "run.max_failures", "run.storage_path", "run.max_wall_time_s", "tracking.uri", "tracking.experiment",
-    "scaling.cpus_per_worker", "scaling.placement_strategy", "model.attn_implementation",
+    "scaling.cpus_per_worker", "scaling.placement_strategy", "scaling.launch", "model.attn_implementation",
     "model.gradient_checkpointing", "deepspeed.config", "deepspeed.z3_leaf_layers",
 }
 """Keys a relaunch may change without changing what is trained (or what the checkpoint holds)."""
@@ -376,8 +377,29 @@ def _checkpoint_folders(folder: RunFolder) -> list[str]:
     return sorted(names, key=lambda n: int(n.split("_")[1]))
 
 
-def _write_snapshot(folder: RunFolder, snapshot: dict[str, Any] | None, keep: list[str]) -> None:
-    """Ray Train's snapshot with only the ``keep`` checkpoints (oldest first), the last as latest."""
+def record_checkpoint(folder: RunFolder, local_dir: Path, name: str, metrics: dict[str, Any], keep: int) -> str:
+    """Persist a checkpoint the job's own process wrote (``scaling.launch=driver``, where Ray Train
+    persists none) as Ray Train does: copied into the run folder as ``name``, recorded in its
+    snapshot as the latest with its metrics, and the oldest beyond ``keep`` deleted. A relaunch,
+    in either launch mode, resumes from it. Returns its path in the run folder's filesystem."""
+    dest = f"{folder.path}/{name}"
+    pafs.copy_files(str(local_dir), dest, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=folder.fs)
+    try:
+        snapshot = folder.read_json(SNAPSHOT_FILE)
+    except _Unreadable:
+        snapshot = None
+    names = [n for n in folder.checkpoint_names() if n != name] + [name]
+    _write_snapshot(folder, snapshot, names[-keep:], new={name: metrics})
+    for dropped in names[:-keep]:
+        with contextlib.suppress(FileNotFoundError):
+            folder.fs.delete_dir(f"{folder.path}/{dropped}")
+    return dest
+
+
+def _write_snapshot(folder: RunFolder, snapshot: dict[str, Any] | None, keep: list[str],
+                    new: dict[str, dict[str, Any]] | None = None) -> None:
+    """Ray Train's snapshot with only the ``keep`` checkpoints (oldest first), the last as latest;
+    ``new``: the metrics of checkpoints reported since the snapshot was written."""
     import ray
 
     entries = {}
@@ -387,6 +409,11 @@ def _write_snapshot(folder: RunFolder, snapshot: dict[str, Any] | None, keep: li
         entry = _entry(value)
         entries[entry.get("checkpoint_dir_name")] = entry
         indices[entry.get("checkpoint_dir_name")] = index if isinstance(index, int) else i
+    next_index = (snapshot or {}).get("current_report_index", len(entries))
+    for name, metrics in (new or {}).items():
+        entries[name] = {"version": 0, "checkpoint_dir_name": name, "metrics": metrics}
+        indices[name] = next_index
+        next_index += 1
     results = [entries.get(n, {"version": 0, "checkpoint_dir_name": n, "metrics": {}}) for n in keep]
     report_indices = [indices.get(n, i) for i, n in enumerate(keep)]
     value = {
@@ -396,7 +423,7 @@ def _write_snapshot(folder: RunFolder, snapshot: dict[str, Any] | None, keep: li
         "latest_checkpoint_result": results[-1],
         "pending_training_results": [],
         "pending_validation_specs": [],
-        "current_report_index": (snapshot or {}).get("current_report_index", max(report_indices) + 1),
+        "current_report_index": max(next_index, max(report_indices) + 1),
         "validated_checkpoint_dir_names": [],
         "timed_out_validation_checkpoint_dir_names": [],
         "failed_validation_checkpoint_dir_names": [],

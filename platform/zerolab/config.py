@@ -163,6 +163,8 @@ class ScalingSpec:
     """CPUs reserved for each worker."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """How Ray places the workers: PACK fills nodes (fast NVLink/shm), SPREAD spreads them over nodes."""
+    launch: Literal["auto", "workers", "driver"] = "auto"
+    """Where training runs: `workers`, Ray Train's worker group (a process per worker, placed by Ray, retried with `run.max_failures`); `driver`, the job's own process as the one worker (Ray Train's local mode: no worker group to start, 20-35 s less before the first step; needs `num_workers` 1 and `run.max_failures` 0); `auto`, `driver` where it can run and owns its resources (a Ray instance the job started, a Tune trial's reserved CPUs/GPU), else `workers`."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -385,6 +387,11 @@ def validate(cfg: SFTConfig) -> list[str]:
     positive("scaling.num_workers", s.num_workers)
     positive("scaling.cpus_per_worker", s.cpus_per_worker)
     positive("run.max_failures", r.max_failures, zero_ok=True)
+    if s.launch == "driver":
+        if s.num_workers != 1:
+            p.append(f"scaling.launch: driver trains in the job's own process, one worker, but scaling.num_workers={s.num_workers}; set scaling.num_workers=1 or scaling.launch=workers")
+        if r.max_failures:
+            p.append(f"scaling.launch: driver has no worker group to restart, but run.max_failures={r.max_failures}; set run.max_failures=0 or scaling.launch=workers")
 
     if not a.target_modules:
         p.append("adapter.target_modules: empty; list module names such as [q_proj, v_proj], or [all-linear]")

@@ -112,7 +112,7 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
                                experiment=cfg.tracking.experiment, run_id=run.run_id,
                                **({"started_at": resume.record.started_at} if resume.record else {}))
             try:
-                return _train(plan, run, record, folder, clock, config_file, in_tune)
+                return _train(plan, run, record, folder, clock, config_file, in_tune, resume.checkpoint)
             except KeyboardInterrupt:
                 run.status, record.status = "KILLED", "stopped"
                 raise
@@ -121,10 +121,10 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
 
 
 def _train(plan: JobPlan, run: tracking.TrackedRun, record: RunRecord, folder: RunFolder, clock: StartupClock,
-           config_file: str | Path | None, in_tune: bool) -> RunResult:
+           config_file: str | Path | None, in_tune: bool, resume_from: str | None) -> RunResult:
     """Record the job's inputs, run the trainer, and record its outcome into ``run`` and ``record``."""
     cfg, memory = plan.cfg, plan.memory
-    run.log_params(tracking.mask_params({**cfg.flat(), **derived_params(cfg, plan.reports, plan.commit), **memory.params()}))
+    run.log_params(tracking.mask_params({**cfg.flat(), **derived_params(cfg, plan.reports, plan.commit, plan.launch), **memory.params()}))
     run.log_metrics(memory.predicted(), step=0)
     _log_inputs(run, plan, config_file)
     folder.write_record(record)  # training begins
@@ -132,7 +132,8 @@ def _train(plan: JobPlan, run: tracking.TrackedRun, record: RunRecord, folder: R
     deadline = clock.launched + cfg.run.max_wall_time_s if cfg.run.max_wall_time_s else None
     stop = StopSignal(cfg.train.log_every_n_steps)
     with stop.installed():
-        result = stop.fit(build_trainer(plan, run.uri, run.run_id, stop.flag, in_tune=in_tune, deadline=deadline))
+        result = stop.fit(build_trainer(plan, run.uri, run.run_id, stop.flag, in_tune=in_tune, deadline=deadline,
+                                        resume_from=resume_from))
     checkpoint = result.checkpoint
     assert checkpoint is not None, "the run finished without a final checkpoint"
     checkpoint_uri = location(checkpoint.filesystem, checkpoint.path)
@@ -183,6 +184,8 @@ class JobPlan:
     """Tokenized rows of each split (with their fingerprint and token counts)."""
     memory: MemoryCheck
     commit: str | None
+    launch: str = "workers"
+    """``driver`` (the job's own process trains: Ray Train's local mode) or ``workers``."""
 
     @property
     def reports(self) -> dict[str, SplitReport]:
@@ -203,7 +206,7 @@ def plan_job(cfg: SFTConfig, *, force: bool = False, clock: StartupClock | None 
     memory = check_memory(cfg, model_config, force=force, datasets=splits)
     if clock:
         clock.mark("memory estimate")
-    return JobPlan(cfg, model_path, model_config, resolved_ds, splits, memory, tracking.git_commit())
+    return JobPlan(cfg, model_path, model_config, resolved_ds, splits, memory, tracking.git_commit(), resolve_launch(cfg))
 
 
 class StartupClock:
@@ -375,20 +378,7 @@ def connect_ray(cfg: SFTConfig, *, log_to_driver: bool = True) -> None:
 
     if ray.is_initialized():
         return
-    # Ray Train's controller polls its workers every 2 s by default, so a finished run (and each
-    # report) waited up to that long before the controller acted on it.
-    env_vars = {"TOKENIZERS_PARALLELISM": "false",
-                "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", TRAIN_POLL_S)}
-    if not cfg.scaling.use_gpu:
-        env_vars["DS_ACCELERATOR"] = "cpu"
-    else:
-        # Segments that grow instead of fixed blocks: the caching allocator then reserves little
-        # beyond the peak it allocates (fixed blocks left 1.7-2.8× the peak reserved on 2 GPUs
-        # and under ZeRO-3, docs/calibration/). A value the user exported wins.
-        env_vars["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
-    for name in ("ZEROLAB_CACHE", *STORAGE_ENV_VARS):
-        if name in os.environ:
-            env_vars[name] = os.environ[name]
+    env_vars = worker_env(cfg)
     from zerolab.ds_config import DS_CONFIG_DIR
 
     # ds_configs/ travels too: a Tune trial resolves its DeepSpeed JSON on whichever node it runs.
@@ -416,7 +406,66 @@ def connect_ray(cfg: SFTConfig, *, log_to_driver: bool = True) -> None:
             f"could not reach the Ray cluster at RAY_ADDRESS={address!r} ({exc}). Start one with "
             "`ray start --head`, fix RAY_ADDRESS, or unset it to run on a local Ray instance."
         ) from None
+    if address == "local":
+        _started_here.add(ray.get_runtime_context().gcs_address)
     quiet_ray_data_logging()
+
+
+_started_here: set[str] = set()
+"""GCS addresses of the Ray instances this process started (nothing else runs on their resources)."""
+
+
+def worker_env(cfg: SFTConfig) -> dict[str, str]:
+    """Environment of the training processes: Ray's workers get it through the job's runtime_env,
+    the job's own process (``scaling.launch=driver``) before it trains."""
+    # Ray Train's controller polls its workers every 2 s by default, so a finished run (and each
+    # report) waited up to that long before the controller acted on it.
+    env = {"TOKENIZERS_PARALLELISM": "false",
+           "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", TRAIN_POLL_S)}
+    if not cfg.scaling.use_gpu:
+        env["DS_ACCELERATOR"] = "cpu"
+    else:
+        # Segments that grow instead of fixed blocks: the caching allocator then reserves little
+        # beyond the peak it allocates (fixed blocks left 1.7-2.8× the peak reserved on 2 GPUs
+        # and under ZeRO-3, docs/calibration/). A value the user exported wins.
+        env["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
+    for name in ("ZEROLAB_CACHE", *STORAGE_ENV_VARS):
+        if name in os.environ:
+            env[name] = os.environ[name]
+    return env
+
+
+def resolve_launch(cfg: SFTConfig) -> str:
+    """``driver`` or ``workers`` for this job (Ray connected): ``scaling.launch``, with ``auto``
+    resolved. The job's own process trains only where it owns what its one worker needs: a Ray
+    instance this process started (no other job is placed on it), or resources Ray reserved for
+    this process (a Tune trial's actor); never through Ray Client, whose driver is not on the
+    cluster. Raises EnvironmentProblem when ``driver`` is asked for and this node lacks a GPU."""
+    import ray
+
+    s = cfg.scaling
+    if s.launch == "workers" or s.num_workers != 1 or cfg.run.max_failures or ray.util.client.ray.is_connected():
+        if s.launch == "driver":
+            raise EnvironmentProblem("scaling.launch=driver: the job runs through Ray Client (RAY_ADDRESS=ray://...), so its "
+                                     "process is not on the cluster; submit it with `ray job submit` or set scaling.launch=workers")
+        return "workers"
+    if s.launch == "auto":
+        context = ray.get_runtime_context()
+        assigned = context.get_assigned_resources() if context.worker.mode == ray.WORKER_MODE else {}
+        owned = context.gcs_address in _started_here
+        reserved = assigned.get("CPU", 0) >= s.cpus_per_worker and assigned.get("GPU", 0) >= (1 if s.use_gpu else 0)
+        if not (owned or reserved):
+            return "workers"
+    if s.use_gpu:
+        node = ray.get_runtime_context().get_node_id()
+        gpus = next((n["Resources"].get("GPU", 0) for n in ray.nodes() if n["NodeID"] == node), 0)
+        if gpus < 1:
+            if s.launch == "auto":
+                return "workers"
+            raise EnvironmentProblem("scaling.launch=driver with scaling.use_gpu=true, but the job's node has no GPU; submit the "
+                                     "job with `ray job submit --entrypoint-num-gpus 1` (Ray then runs it on a GPU node), or set "
+                                     "scaling.launch=workers")
+    return "driver"
 
 
 def _free_port() -> int:
@@ -701,9 +750,10 @@ def _final_metric_tags(metrics: dict[str, Any]) -> dict[str, str]:
     return {k: f"{metrics[k]:.6g}" for k in keys if isinstance(metrics.get(k), (int, float))}
 
 
-def derived_params(cfg: SFTConfig, reports: dict[str, SplitReport], commit: str | None) -> dict[str, Any]:
+def derived_params(cfg: SFTConfig, reports: dict[str, SplitReport], commit: str | None, launch: str) -> dict[str, Any]:
     params: dict[str, Any] = {
         "derived.world_size": cfg.world_size(),
+        "derived.launch": launch,
         "derived.global_batch_size": cfg.global_batch_size(),
         "derived.precision": cfg.precision(),
         "derived.deepspeed_config": str(ds_config.config_path(cfg)),
@@ -739,30 +789,43 @@ def _log_inputs(run: tracking.TrackedRun, plan: JobPlan, config_file: str | Path
 
 
 def build_trainer(plan: JobPlan, uri: str | None, run_id: str | None, stop_flag: Any = None, *, in_tune: bool = False,
-                  deadline: float | None = None) -> Any:
-    """The TorchTrainer for this job (Ray Train V2): same name and storage path = same run, resumed."""
+                  deadline: float | None = None, resume_from: str | None = None) -> Any:
+    """The TorchTrainer for this job (Ray Train V2): same name and storage path = same run, resumed.
+
+    With ``plan.launch == "driver"`` it is Ray Train's local mode (no workers: ``fit()`` calls the
+    training function in this process), handed the prepared splits, the run folder its checkpoints
+    go to and ``resume_from``, the checkpoint to resume (Ray Train's workers find it themselves)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.tune.integration.ray_train import TuneReportCallback
 
     from zerolab.data import worker_datasets
-    from zerolab.train import train_loop_per_worker
+    from zerolab.train import InDriver, train_loop_per_worker
 
     cfg = plan.cfg
     s = cfg.scaling
-    resources = {"CPU": s.cpus_per_worker, **({"GPU": 1} if s.use_gpu else {})}
     path, filesystem = trainer_storage(cfg)
+    loop_config = {
+        "sft": cfg,  # validated here; workers do not re-check paths that exist on the driver only
+        "deepspeed": plan.deepspeed,
+        "tracking": {"uri": uri, "run_id": run_id} if run_id else None,
+        "stop_flag": stop_flag,
+        "deadline_unix": deadline,
+        "report_every_log": in_tune,
+    }
+    if plan.launch == "driver":
+        for name, value in worker_env(cfg).items():
+            os.environ.setdefault(name, value)
+        loop_config["in_driver"] = InDriver(splits=plan.splits, folder=RunFolder.of(cfg, storage_path(cfg)), resume_from=resume_from,
+                                            keep=cfg.train.keep_checkpoints, in_tune=in_tune)
+        return TorchTrainer(train_loop_per_worker, train_loop_config=loop_config,
+                            scaling_config=ScalingConfig(num_workers=0, use_gpu=s.use_gpu),
+                            run_config=RunConfig(name=cfg.run.name, storage_path=path, storage_filesystem=filesystem))
+    resources = {"CPU": s.cpus_per_worker, **({"GPU": 1} if s.use_gpu else {})}
     shards, data_config = worker_datasets(plan.splits, s.num_workers)
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={
-            "sft": cfg,  # validated here; workers do not re-check paths that exist on the driver only
-            "deepspeed": plan.deepspeed,
-            "tracking": {"uri": uri, "run_id": run_id} if run_id else None,
-            "stop_flag": stop_flag,
-            "deadline_unix": deadline,
-            "report_every_log": in_tune,
-        },
+        train_loop_config=loop_config,
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=resources,
                                      placement_strategy=s.placement_strategy),

@@ -1,8 +1,11 @@
-"""The training loop that runs on every Ray Train worker.
+"""The training loop that runs on every Ray Train worker (or in the job's own process).
 
 ``train_loop_per_worker(config)`` reads top to bottom: rebuild the config, seed, load the data
 shard, tokenizer, model and adapter, ``deepspeed.initialize``, resume from a checkpoint if Ray
-Train hands one over, then the optimizer-step loop with metric reports and checkpoints.
+Train hands one over, then the optimizer-step loop with metric reports and checkpoints. Where it
+runs is a :class:`RayWorker` (a process of Ray Train's worker group) or :class:`InDriver` (the
+job's own process, ``scaling.launch=driver``): they differ only in where the data shard comes
+from, where checkpoints go and how the process group forms.
 
 The loss of a step is the mean over every target token of the step, across gradient-accumulation
 micro-batches and ranks (not a mean of per-batch means, which over-weights short samples): each
@@ -23,6 +26,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +37,9 @@ import torch.distributed as dist
 from zerolab import adapters, kernels, perf
 from zerolab.batches import Batch, MicroBatches
 from zerolab.cadence import STOPPED_AT_DEADLINE, Cadence
+from zerolab.checkpoints import RunFolder
 from zerolab.config import SFTConfig
-from zerolab.data import load_shard, quiet_ray_data_logging
+from zerolab.data import PreparedSplit, load_shard, quiet_ray_data_logging, shard_rows
 from zerolab.models import decoder_layers, load_model, load_tokenizer
 
 logger = logging.getLogger("zerolab.train")
@@ -47,8 +52,141 @@ def log_rank0(msg: str, *args: Any) -> None:
         logger.info(msg, *args)
 
 
+class RayWorker:
+    """A process of Ray Train's worker group: its data shard and checkpoints go through Ray Train
+    (which persists each checkpoint to the run folder and hands the newest back on a retry or a
+    relaunch)."""
+
+    def device(self, use_gpu: bool) -> torch.device:
+        import ray.train.torch
+
+        return ray.train.torch.get_device() if use_gpu else torch.device("cpu")
+
+    @contextlib.contextmanager
+    def process_group(self, backend: str) -> Iterator[None]:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=backend)  # Ray Train set the rendezvous variables
+        yield
+
+    def rows(self, split: str) -> list[tuple[np.ndarray, np.ndarray]] | None:
+        import ray.train
+
+        try:
+            return load_shard(ray.train.get_dataset_shard(split))
+        except KeyError:
+            return None
+
+    def checkpoint(self) -> Any:
+        import ray.train
+
+        return ray.train.get_checkpoint()
+
+    def report(self, metrics: dict[str, Any], folder: Path | None = None, name: str | None = None) -> None:
+        import ray.train
+        from ray.train import Checkpoint
+
+        checkpoint = Checkpoint.from_directory(str(folder)) if folder is not None else None
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
+
+
+@dataclass
+class InDriver:
+    """The job's own process as its one worker (``scaling.launch=driver``: Ray Train's local mode,
+    which starts no worker group, persists no checkpoint and hands none back): the driver's
+    prepared splits are the shard, checkpoints are written into the run folder as Ray Train
+    writes them (:func:`zerolab.checkpoints.record_checkpoint`), and a Tune trial gets each report."""
+
+    splits: dict[str, PreparedSplit]
+    folder: RunFolder
+    resume_from: str | None
+    """The run folder's checkpoint to resume (chosen by the driver), if any."""
+    keep: int
+    in_tune: bool
+
+    def device(self, use_gpu: bool) -> torch.device:
+        # Ray reserved this process's GPU (a Tune trial, `--entrypoint-num-gpus`) through
+        # CUDA_VISIBLE_DEVICES, or the job owns the node's Ray instance.
+        return torch.device("cuda", 0) if use_gpu else torch.device("cpu")
+
+    @contextlib.contextmanager
+    def process_group(self, backend: str) -> Iterator[None]:
+        """A one-rank process group on a free local port (DeepSpeed needs one), the rendezvous
+        variables set only while it lives: the process goes on after the run (a Tune trial's
+        actor trains the next trial)."""
+        import deepspeed
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+            yield
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            _forget_deepspeed_groups()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    def rows(self, split: str) -> list[tuple[np.ndarray, np.ndarray]] | None:
+        prepared = self.splits.get(split)
+        if prepared is None:
+            return None
+        (indices,) = shard_rows(prepared.num_rows, 1, equal=split == "train")
+        return prepared.rows(indices)
+
+    def checkpoint(self) -> Any:
+        from ray.train import Checkpoint
+
+        return Checkpoint(f"{self.folder.path}/{self.resume_from}", filesystem=self.folder.fs) if self.resume_from else None
+
+    def report(self, metrics: dict[str, Any], folder: Path | None = None, name: str | None = None) -> None:
+        import ray.train
+        from ray.train import Checkpoint
+
+        from zerolab.checkpoints import record_checkpoint
+
+        checkpoint = None
+        if folder is not None:
+            assert name is not None
+            checkpoint = Checkpoint(record_checkpoint(self.folder, folder, name, metrics, self.keep), filesystem=self.folder.fs)
+        ray.train.report(metrics, checkpoint=checkpoint)  # the last one is what fit() returns
+        if self.in_tune:
+            import ray.tune
+
+            ray.tune.report({**metrics, **({"checkpoint_path": checkpoint.path} if checkpoint else {})})
+
+
+def _forget_deepspeed_groups() -> None:
+    """Drop the process groups DeepSpeed cached from a destroyed world (it clones the world group
+    once per process and keeps it), so the next run in this process builds them afresh."""
+    from deepspeed.utils import groups
+
+    for name, value in list(vars(groups).items()):
+        if isinstance(value, dist.ProcessGroup) or type(value).__name__ == "DeviceMesh":
+            setattr(groups, name, None)
+        elif isinstance(value, dict) and any(isinstance(v, dist.ProcessGroup) for v in value.values()):
+            value.clear()
+
+
 def train_loop_per_worker(config: dict) -> None:
-    import deepspeed
+    place: RayWorker | InDriver = config.get("in_driver") or RayWorker()
+    backend = "nccl" if config["sft"].scaling.use_gpu else "gloo"
+    with place.process_group(backend):
+        _train(config, place)
+
+
+def _train(config: dict, place: RayWorker | InDriver) -> None:
     import ray.train
 
     started = time.perf_counter()
@@ -58,12 +196,11 @@ def train_loop_per_worker(config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     _seed_everything(cfg.train.seed + rank)
-    device = ray.train.torch.get_device() if cfg.scaling.use_gpu else torch.device("cpu")
+    device = place.device(cfg.scaling.use_gpu)
     clear_stale_build_locks()
-    deepspeed.init_distributed(dist_backend="nccl" if cfg.scaling.use_gpu else "gloo")
 
     batches = MicroBatches(
-        load_shard(ray.train.get_dataset_shard("train")),
+        place.rows("train"),
         micro_batch_size=cfg.train.micro_batch_size,
         max_seq_length=cfg.data.max_seq_length,
         packing=cfg.data.packing,
@@ -87,7 +224,7 @@ def train_loop_per_worker(config: dict) -> None:
         # AdaLoRA reads the gradients after the optimizer step and before they are zeroed.
         engine.optimizer.register_step_post_hook(lambda *_: engine.module.base_model.update_and_allocate(engine.global_steps))
 
-    start_step = _restore(engine, rank, adapter_only=cfg.adapter.is_peft())
+    start_step = _restore(engine, rank, place.checkpoint(), adapter_only=cfg.adapter.is_peft())
     now = time.perf_counter()
     log_rank0("worker ready in %.1f s: process group and data shard %.1f s, model %.1f s, DeepSpeed engine%s %.1f s",
               now - started, data_ready - started, model_ready - data_ready, " and checkpoint" if start_step else "", now - model_ready)
@@ -103,6 +240,8 @@ def train_loop_per_worker(config: dict) -> None:
     window_steps, window_start = 0, time.perf_counter()
     run_start = window_start
     metrics: dict[str, float] = {}
+    eval_rows: list | None = None  # read at the first checkpoint, off the way to the first step
+    eval_read = False
 
     with contextlib.ExitStack() as after_first_step:
         engine.train()
@@ -152,19 +291,21 @@ def train_loop_per_worker(config: dict) -> None:
                 window_steps, window_start = 0, time.perf_counter()
 
             if cadence.reports_window(done, stop) and metrics:
-                ray.train.report({"step": done, **metrics})
+                place.report({"step": done, **metrics})
             if cadence.checkpoints(done, stop):
                 final = done == total_steps
                 report = {"step": done, **metrics, **({"stopped": stop} if stop and not final else {})}
                 if final:
                     report["perf/wall_s"] = time.perf_counter() - run_start
                     report["perf/first_step_unix"] = stream.first_step_unix or 0.0
-                if _has_eval():
-                    report["eval/loss"] = evaluate_loss(engine, cfg, device)
+                if not eval_read:
+                    eval_rows, eval_read = place.rows("eval"), True
+                if eval_rows is not None:
+                    report["eval/loss"] = evaluate_loss(engine, cfg, device, eval_rows)
                     log_rank0("step %d eval/loss %.4f", done, report["eval/loss"])
                     if tracker is not None:
                         tracker.log({"eval/loss": report["eval/loss"]}, step=done)
-                _save_and_report(engine, cfg, tokenizer, done, report, final=final)
+                _save_and_report(engine, cfg, tokenizer, done, report, place)
                 if stop and not final:
                     log_rank0("stopped %s after step %d; relaunch to resume",
                               "at the wall-time limit" if stop == STOPPED_AT_DEADLINE else "on request", done)
@@ -378,13 +519,11 @@ def optimizer_step(engine: Any, micro: list[Batch], device: torch.device, want_g
     return total, grad_norm
 
 
-def evaluate_loss(engine: Any, cfg: SFTConfig, device: torch.device) -> float:
-    """Token-weighted mean loss over the whole eval split. Every rank runs the same number of
-    forward passes (ZeRO-3 gathers parameters collectively); a rank with fewer batches repeats
-    one with zero weight."""
-    import ray.train
-
-    evals = MicroBatches(load_shard(ray.train.get_dataset_shard("eval")), micro_batch_size=cfg.train.micro_batch_size,
+def evaluate_loss(engine: Any, cfg: SFTConfig, device: torch.device, rows: list[tuple[np.ndarray, np.ndarray]]) -> float:
+    """Token-weighted mean loss over this rank's ``rows`` of the eval split, all ranks together.
+    Every rank runs the same number of forward passes (ZeRO-3 gathers parameters collectively); a
+    rank with fewer batches repeats one with zero weight."""
+    evals = MicroBatches(rows, micro_batch_size=cfg.train.micro_batch_size,
                          max_seq_length=cfg.data.max_seq_length, packing=False, pad_id=0, seed=0)
     batches = evals.sequential()
     n = torch.tensor(len(batches), device=device)
@@ -409,21 +548,9 @@ def _filler_batch() -> Batch:
     return MicroBatches([(ids, np.array([-100, 0]))], micro_batch_size=1, max_seq_length=2, packing=False, pad_id=0, seed=0).sequential()[0]
 
 
-def _has_eval() -> bool:
-    import ray.train
 
-    try:
-        ray.train.get_dataset_shard("eval")
-    except KeyError:
-        return False
-    return True
-
-
-def _save_and_report(engine: Any, cfg: SFTConfig, tokenizer: Any, step: int, metrics: dict, *, final: bool) -> None:
+def _save_and_report(engine: Any, cfg: SFTConfig, tokenizer: Any, step: int, metrics: dict, place: RayWorker | InDriver) -> None:
     """Every rank saves its DeepSpeed shard (a collective) and reports; rank 0 adds the adapter."""
-    import ray.train
-    from ray.train import Checkpoint
-
     rank = dist.get_rank()
     tmp = Path(tempfile.mkdtemp(prefix="zerolab-ckpt-"))
     try:
@@ -436,7 +563,7 @@ def _save_and_report(engine: Any, cfg: SFTConfig, tokenizer: Any, step: int, met
             n = adapters.save_trained(engine.module, state, tmp / "adapter", tokenizer)
             log_rank0("saved %s (%d tensors, checked) at step %d", "adapter" if cfg.adapter.is_peft() else "model", n, step)
         dist.barrier()
-        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(str(tmp)), checkpoint_dir_name=f"checkpoint_{step:07d}")
+        place.report(metrics, tmp, f"checkpoint_{step:07d}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -462,11 +589,8 @@ def _gather_for_save(engine: Any, *, full: bool) -> dict[str, torch.Tensor]:
     return {n: p.detach().cpu().clone() for n, p in module.named_parameters() if p.requires_grad}
 
 
-def _restore(engine: Any, rank: int, *, adapter_only: bool) -> int:
-    """Load the checkpoint Ray Train hands over (a retry or a relaunch); returns the step to start at."""
-    import ray.train
-
-    checkpoint = ray.train.get_checkpoint()
+def _restore(engine: Any, rank: int, checkpoint: Any, *, adapter_only: bool) -> int:
+    """Load ``checkpoint`` (a retry's or a relaunch's); returns the step to start at."""
     if checkpoint is None:
         return 0
     from zerolab.checkpoints import CheckpointError

@@ -291,6 +291,25 @@ def max_concurrent(cfg: SFTConfig) -> int:
     return max(1, int(resources.get("CPU", 0) // (s.num_workers * s.cpus_per_worker)))
 
 
+LAUNCH_KEYS = frozenset({"scaling.num_workers", "scaling.launch", "scaling.use_gpu", "scaling.cpus_per_worker", "run.max_failures"})
+"""Search-space keys that change what a trial's process must reserve."""
+
+
+def trains_in_trial(base: SFTConfig, sweep: Sweep) -> bool:
+    """Whether each trial trains in its own Tune actor (``scaling.launch`` auto or driver, one
+    worker, no retries, the same for every point): the actor then reserves the worker's CPUs/GPU,
+    and Tune reuses it for the next trial, so a trial after the first starts with its imports
+    done and no worker group to form."""
+    s = base.scaling
+    return (s.launch != "workers" and s.num_workers == 1 and not base.run.max_failures
+            and not any(d.key in LAUNCH_KEYS for d in sweep.space))
+
+
+def trial_resources(cfg: SFTConfig) -> dict[str, float]:
+    """What a trial that trains in its own actor reserves: its one worker's CPUs and GPU."""
+    return {"CPU": cfg.scaling.cpus_per_worker, **({"GPU": 1} if cfg.scaling.use_gpu else {})}
+
+
 @dataclass
 class TrialRow:
     trial_id: str
@@ -374,11 +393,10 @@ def run_sweep(base: dict[str, Any], sweep: Sweep, *, resume: bool = False, out_d
             if sweep.search == "grid":
                 _announce_skips(base_cfg, sweep, points, data)
             concurrent = sweep.max_concurrent_trials or max_concurrent(base_cfg)
+            in_trial = trains_in_trial(base_cfg, sweep)
             trainable = tune.with_resources(
                 tune.with_parameters(trial_function, base=base_cfg, sweep=sweep, data=data, parent_run_id=parent_id, uri=uri),
-                # The trial only drives Ray Train; its workers reserve the CPUs/GPUs. Tune needs a non-empty
-                # request, and a byte of memory takes nothing the workers need.
-                {"memory": 1})
+                trial_resources(base_cfg) if in_trial else {"memory": 1})
             parent.log_params({"sweep.search": sweep.search, "sweep.metric": sweep.metric, "sweep.mode": sweep.mode,
                                "sweep.scheduler": sweep.scheduler, "sweep.max_concurrent_trials": concurrent,
                                **{f"sweep.space.{d.key}": f"{d.kind} {list(d.values)}" for d in sweep.space}})
@@ -395,6 +413,7 @@ def run_sweep(base: dict[str, Any], sweep: Sweep, *, resume: bool = False, out_d
                     param_space={d.key: d.tune_domain() for d in sweep.space},
                     tune_config=TuneConfig(
                         num_samples=sweep.num_samples, max_concurrent_trials=concurrent, search_alg=_searcher(sweep),
+                        reuse_actors=in_trial,
                         scheduler=_scheduler(sweep, base_cfg),
                         trial_name_creator=lambda t: f"{sweep.name}-{t.trial_id}", trial_dirname_creator=lambda t: t.trial_id,
                     ),
