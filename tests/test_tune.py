@@ -152,6 +152,8 @@ def test_grid_over_stage_rank_and_batch_gives_one_child_run_per_trial(tmp_path, 
     assert sorted((c.data.params["deepspeed.stage"], c.data.params["adapter.r"], c.data.params["train.micro_batch_size"])
                   for c in children) == sorted((s, r, b) for s in "02" for r in ("4", "8") for b in ("2", "4"))
     assert all(c.info.status == "FINISHED" and "train/loss" in c.data.metrics for c in children)
+    # One worker each: every trial trained in its own Tune actor (reused from trial to trial), no worker group.
+    assert {c.data.params["derived.launch"] for c in children} == {"driver"}
     from mlflow import MlflowClient
 
     artifacts = {a.path for a in MlflowClient(uri).list_artifacts(parent.info.run_id)}

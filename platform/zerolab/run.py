@@ -131,13 +131,13 @@ def _train(plan: JobPlan, run: tracking.TrackedRun, record: RunRecord, folder: R
     clock.mark("MLflow run")
     deadline = clock.launched + cfg.run.max_wall_time_s if cfg.run.max_wall_time_s else None
     stop = StopSignal(cfg.train.log_every_n_steps)
+    trainer = build_trainer(plan, run.uri, run.run_id, stop.flag, in_tune=in_tune, deadline=deadline, resume_from=resume_from)
     with stop.installed():
-        result = stop.fit(build_trainer(plan, run.uri, run.run_id, stop.flag, in_tune=in_tune, deadline=deadline,
-                                        resume_from=resume_from))
-    checkpoint = result.checkpoint
+        result = stop.fit(trainer)
+    in_driver = trainer.train_loop_config.get("in_driver")
+    metrics, checkpoint = in_driver.last if in_driver else (dict(result.metrics or {}), result.checkpoint)
     assert checkpoint is not None, "the run finished without a final checkpoint"
     checkpoint_uri = location(checkpoint.filesystem, checkpoint.path)
-    metrics = dict(result.metrics or {})
     step = int(metrics.get("step", 0))
     record.step, record.checkpoint = step, checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
     run.log_metrics({**memory.errors(metrics), **clock.report(metrics)}, step=step)

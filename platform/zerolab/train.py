@@ -53,9 +53,14 @@ def log_rank0(msg: str, *args: Any) -> None:
 
 
 class RayWorker:
-    """A process of Ray Train's worker group: its data shard and checkpoints go through Ray Train
-    (which persists each checkpoint to the run folder and hands the newest back on a retry or a
-    relaunch)."""
+    """A process of Ray Train's worker group: its rank, data shard and checkpoints come through
+    Ray Train (which persists each checkpoint to the run folder and hands the newest back on a
+    retry or a relaunch); ``fit()`` returns the last report."""
+
+    def context(self) -> Any:
+        import ray.train
+
+        return ray.train.get_context()
 
     def device(self, use_gpu: bool) -> torch.device:
         import ray.train.torch
@@ -90,12 +95,30 @@ class RayWorker:
         ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
 
 
+class OneRank:
+    """The training context of a one-process world (what ``ray.train.get_context()`` says of a
+    worker group's only rank; Ray Train's own is not available inside a Tune trial)."""
+
+    def get_world_rank(self) -> int:
+        return 0
+
+    def get_world_size(self) -> int:
+        return 1
+
+    def get_local_rank(self) -> int:
+        return 0
+
+    def get_node_rank(self) -> int:
+        return 0
+
+
 @dataclass
 class InDriver:
     """The job's own process as its one worker (``scaling.launch=driver``: Ray Train's local mode,
     which starts no worker group, persists no checkpoint and hands none back): the driver's
     prepared splits are the shard, checkpoints are written into the run folder as Ray Train
-    writes them (:func:`zerolab.checkpoints.record_checkpoint`), and a Tune trial gets each report."""
+    writes them (:func:`zerolab.checkpoints.record_checkpoint`), a Tune trial gets each report,
+    and the last report is ``last`` (``fit()``'s result holds none)."""
 
     splits: dict[str, PreparedSplit]
     folder: RunFolder
@@ -103,6 +126,11 @@ class InDriver:
     """The run folder's checkpoint to resume (chosen by the driver), if any."""
     keep: int
     in_tune: bool
+    last: tuple[dict[str, Any], Any] = ({}, None)
+    """The last report's metrics and checkpoint (a ``ray.train.Checkpoint`` in the run folder)."""
+
+    def context(self) -> OneRank:
+        return OneRank()
 
     def device(self, use_gpu: bool) -> torch.device:
         # Ray reserved this process's GPU (a Tune trial, `--entrypoint-num-gpus`) through
@@ -151,7 +179,6 @@ class InDriver:
         return Checkpoint(f"{self.folder.path}/{self.resume_from}", filesystem=self.folder.fs) if self.resume_from else None
 
     def report(self, metrics: dict[str, Any], folder: Path | None = None, name: str | None = None) -> None:
-        import ray.train
         from ray.train import Checkpoint
 
         from zerolab.checkpoints import record_checkpoint
@@ -160,7 +187,7 @@ class InDriver:
         if folder is not None:
             assert name is not None
             checkpoint = Checkpoint(record_checkpoint(self.folder, folder, name, metrics, self.keep), filesystem=self.folder.fs)
-        ray.train.report(metrics, checkpoint=checkpoint)  # the last one is what fit() returns
+        self.last = (metrics, checkpoint)
         if self.in_tune:
             import ray.tune
 
@@ -187,13 +214,13 @@ def train_loop_per_worker(config: dict) -> None:
 
 
 def _train(config: dict, place: RayWorker | InDriver) -> None:
-    import ray.train
+    import ray
 
     started = time.perf_counter()
     cfg: SFTConfig = config["sft"]  # the driver's validated config; its data files need not exist here
     ds_config: dict = config["deepspeed"]
     _setup_worker_logging()
-    ctx = ray.train.get_context()
+    ctx = place.context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     _seed_everything(cfg.train.seed + rank)
     device = place.device(cfg.scaling.use_gpu)
