@@ -8,12 +8,15 @@ model and data):
 
 - ``cold-nocache``: ``run_sft`` in a fresh process that starts Ray itself, with an empty tokenized-data
   cache (the data goes through Ray Data);
-- ``cold``: the same with the data cache warm (twice);
+- ``cold``: the same with the data cache warm (twice); one worker, so it trains in the job's own
+  process (``scaling.launch=auto``);
+- ``cold-workers``: ``cold`` with ``scaling.launch=workers`` (Ray Train's worker group), for comparison;
 - ``torchrun``: zerolab's own training step under bare torchrun (no Ray, no MLflow) on the same
   config: the floor the others are compared with;
-- ``warm-submit``: ``ray job submit`` to a ``ray start --head`` cluster that is already running,
-  timed from the submit command's launch (twice: the cluster's first job, then another);
-- ``warm-driver``: the job's driver joining that cluster directly (``RAY_ADDRESS=auto``);
+- ``warm-submit``: ``ray job submit --entrypoint-num-gpus 1`` to a ``ray start --head`` cluster that is
+  already running, with ``scaling.launch=driver``, timed from the submit command's launch (twice: the
+  cluster's first job, then another);
+- ``warm-driver``: the job's driver joining that cluster directly (``RAY_ADDRESS=auto``), ``scaling.launch=driver``;
 - ``sweep``: ``jobs/tune.py`` with 6 trials on one GPU (grid of ``adapter.r`` × ``train.lr``): each
   trial's start-up (its launch to its first step) and training time from the sweep's results.
 
@@ -39,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
 
 from bench import harness  # noqa: E402
 
-CASES = ("cold-nocache", "cold", "torchrun", "warm-submit", "warm-driver", "sweep")
+CASES = ("cold-nocache", "cold", "cold-workers", "torchrun", "warm-submit", "warm-driver", "sweep")
 RUN = harness.Run("zerolab", "qwen2.5-0.5b", micro_batch=4, steps=20, window=10, timeout_s=300)
 CPU_RUN = harness.Run("zerolab", "tiny", micro_batch=2, steps=4, window=2, attn="sdpa", kernels="none", timeout_s=600)
 STARTUP_LINE = re.compile(r"start-up: first optimizer step ([\d.]+) s after launch \((.*)\)")
@@ -90,9 +93,17 @@ def torchrun_case(run: harness.Run, ws: harness.Workspace, out: Path) -> dict:
     return {"case": "torchrun", "status": row["status"], "wall_s": row["wall_s"], "first_step_s": row.get("time_to_first_step_s", "")}
 
 
+def with_overrides(run: harness.Run, *overrides: str) -> harness.Run:
+    return replace(run, overrides=(*run.overrides, *overrides))
+
+
 def warm_cases(run: harness.Run, ws: harness.Workspace, out: Path, env: dict[str, str], cases: set[str]) -> list[dict]:
     ray = shutil.which("ray") or "ray"
     rows = []
+    # A job that joins a cluster trains in its own process only when told to (other jobs may use
+    # the node's GPUs); submitted, it asks Ray for its GPU.
+    run = with_overrides(run, "scaling.launch=driver")
+    gpus = ["--entrypoint-num-gpus", "1"] if "scaling.use_gpu=true" in harness.zerolab_overrides(run, ws) else []
     # `ray job submit` needs the dashboard's job server (ray[default]); where it cannot start, the
     # warm cluster is measured with the driver joining it directly.
     dashboard = "--include-dashboard=true" if "warm-submit" in cases and _has_dashboard() else "--include-dashboard=false"
@@ -104,7 +115,7 @@ def warm_cases(run: harness.Run, ws: harness.Workspace, out: Path, env: dict[str
         if "warm-submit" in cases and dashboard.endswith("true"):
             for i in (1, 2):
                 rows.append(zerolab_case(run, f"warm-submit-{i}", ws, out, env,
-                                         prefix=[ray, "job", "submit", "--address", "http://127.0.0.1:8265", "--"]))
+                                         prefix=[ray, "job", "submit", "--address", "http://127.0.0.1:8265", *gpus, "--"]))
         if "warm-driver" in cases:
             rows.append(zerolab_case(run, "warm-driver", ws, out, {**env, "RAY_ADDRESS": "auto"}))
     finally:
@@ -163,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         record([zerolab_case(run, "cold-nocache", ws, args.out, env)])
     if "cold" in cases:
         record([zerolab_case(run, f"cold-{i}", ws, args.out, env) for i in (1, 2)])
+    if "cold-workers" in cases:
+        record([zerolab_case(with_overrides(run, "scaling.launch=workers"), "cold-workers", ws, args.out, env)])
     if "torchrun" in cases:
         record([torchrun_case(run, ws, args.out)])
     if cases & {"warm-submit", "warm-driver"}:
