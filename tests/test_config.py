@@ -75,6 +75,14 @@ def test_adalora_rejects_partitioned_stages():
     load_config(None, ["adapter.method=adalora", "deepspeed.stage=0"])
 
 
+def test_training_in_the_driver_needs_one_worker_and_no_retries():
+    found = problems(["scaling.launch=driver", "scaling.num_workers=2", "run.max_failures=1"])
+    assert sum(p.startswith("scaling.launch: driver") for p in found) == 2
+    assert any("scaling.num_workers=2" in p for p in found) and any("run.max_failures=1" in p for p in found)
+    load_config(None, ["scaling.launch=driver", "scaling.num_workers=1"])
+    load_config(None, ["scaling.launch=auto", "scaling.num_workers=2", "run.max_failures=1"])  # auto picks the worker group
+
+
 def test_missing_paths_and_custom_task():
     found = problems(["data.task=custom", "data.eval_path=/nonexistent/eval.jsonl"])
     assert any(p.startswith("data.train_path: required when data.task=custom") for p in found)
