@@ -72,8 +72,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_minutes and time.monotonic() - start > 60 * args.max_minutes:
             print(f"--max-minutes {args.max_minutes:g} reached; not started: {run.name}", flush=True)
             continue
+        log.flush()
+        since = (args.out / "runs.log").stat().st_size
         row, calibration = harness.execute(run, ws, log)
         rows.append(row)
+        if row["status"] != "ok":  # why, where the summary is read (a GPU host's files may not come back)
+            log.flush()
+            with open(args.out / "runs.log", "rb") as f:
+                f.seek(since)
+                print("\n".join(f.read().decode(errors="replace").splitlines()[-25:]), flush=True)
         harness.write_csv(args.out / "benchmark.csv", [row], harness.COLUMNS)
         if calibration:
             harness.write_csv(args.out / "bench_calibration.csv", [calibration], CALIBRATION_COLUMNS)
