@@ -219,7 +219,7 @@ def _train(config: dict, place: RayWorker | InDriver) -> None:
     started = time.perf_counter()
     cfg: SFTConfig = config["sft"]  # the driver's validated config; its data files need not exist here
     ds_config: dict = config["deepspeed"]
-    _setup_worker_logging()
+    _setup_worker_logging(own_handler=ray.get_runtime_context().worker.mode == ray.WORKER_MODE)  # not the job's process
     ctx = place.context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     _seed_everything(cfg.train.seed + rank)
@@ -705,10 +705,11 @@ def clear_stale_build_locks(max_age_s: float = STALE_BUILD_LOCK_S) -> list[Path]
     return removed
 
 
-def _setup_worker_logging() -> None:
-    # Its own handler: Ray has configured the worker's root logger already (basicConfig would do nothing).
+def _setup_worker_logging(*, own_handler: bool) -> None:
+    # Its own handler on a Ray worker: Ray has configured the worker's root logger already
+    # (basicConfig would do nothing). The job's own process keeps the job's logging.
     ours = logging.getLogger("zerolab")
-    if not ours.handlers:
+    if own_handler and not ours.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
         ours.addHandler(handler)
