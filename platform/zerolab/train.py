@@ -207,16 +207,16 @@ def _forget_deepspeed_groups() -> None:
 
 
 def train_loop_per_worker(config: dict) -> None:
+    started = time.perf_counter()
     place: RayWorker | InDriver = config.get("in_driver") or RayWorker()
     backend = "nccl" if config["sft"].scaling.use_gpu else "gloo"
     with place.process_group(backend):
-        _train(config, place)
+        _train(config, place, started)
 
 
-def _train(config: dict, place: RayWorker | InDriver) -> None:
+def _train(config: dict, place: RayWorker | InDriver, started: float) -> None:
     import ray
 
-    started = time.perf_counter()
     cfg: SFTConfig = config["sft"]  # the driver's validated config; its data files need not exist here
     ds_config: dict = config["deepspeed"]
     _setup_worker_logging(own_handler=ray.get_runtime_context().worker.mode == ray.WORKER_MODE)  # not the job's process
