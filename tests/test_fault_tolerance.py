@@ -169,7 +169,8 @@ def test_a_finished_run_is_left_alone_continued_with_more_steps_or_restarted(ray
 
     from zerolab.checkpoints import RunFinished, RunFolder
 
-    overrides = tiny_overrides(tmp_path, **{"train.max_steps": 4, "tracking.registered_model": "kept"})
+    # One worker (trained in this process): what is checked is the run folder's record, not the workers.
+    overrides = tiny_overrides(tmp_path, **{"train.max_steps": 4, "tracking.registered_model": "kept", "scaling.num_workers": 1})
     result = run_sft(load_config(None, overrides))
     client = MlflowClient(result.tracking_uri)
 
