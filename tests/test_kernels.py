@@ -320,3 +320,22 @@ def _compiled_and_eager(spec: ModelSpec, dtype: torch.dtype, device: str, batche
                            for loss, grads in (loss_and_grads(compiled, inputs), loss_and_grads(eager, inputs))))
     counters = torch._dynamo.utils.counters
     return pairs, counters["stats"]["unique_graphs"], dict(counters["graph_break"])
+
+
+def test_a_layer_that_fails_to_compile_runs_eagerly_and_says_why(caplog):
+    """``model.compile`` on a layer its compiler cannot handle: the layer runs eagerly (the same
+    outputs) and Dynamo's warning names the failure, instead of the job dying at its first step."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8) for _ in range(2)]
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        expected = [layer(x) for layer in layers]
+
+    def failing(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule:
+        raise RuntimeError("no kernel for this op")
+
+    assert kernels.compile_layers(layers, backend=failing) == 2
+    with torch.no_grad():
+        got = [layer(x) for layer in layers]
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    assert "no kernel for this op" in caplog.text  # Dynamo's warning, through logging

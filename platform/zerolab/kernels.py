@@ -299,10 +299,12 @@ class _LoRALinear(torch.autograd.Function):
 # --- regional compilation ------------------------------------------------------------------------
 
 
-def compile_layers(layers: list[torch.nn.Module]) -> int:
+def compile_layers(layers: list[torch.nn.Module], backend: Any = "inductor") -> int:
     """Compile the ``forward`` of each of ``layers`` (the model's decoder layers) with
     ``torch.compile``; returns how many. Call once the layers are final (adapters applied and
-    fused), before ``deepspeed.initialize``.
+    fused), before ``deepspeed.initialize``. A graph that fails to compile runs eagerly, with
+    Dynamo's warning saying why (``suppress_errors``): a job is not lost minutes into its start for
+    an optimisation.
 
     Shapes are dynamic from the first compile: padded batches change their length with every batch
     and the last batch of an epoch has fewer rows, and each new static shape compiled the layer
@@ -311,8 +313,9 @@ def compile_layers(layers: list[torch.nn.Module]) -> int:
     layer (its input from frozen embeddings needs no gradient) and the others; a batch without
     padding (no attention mask); the evaluation's forward without gradients (five graphs in that run).
     """
+    torch._dynamo.config.suppress_errors = True
     for layer in layers:
-        layer.forward = torch.compile(layer.forward, dynamic=True)
+        layer.forward = torch.compile(layer.forward, dynamic=True, backend=backend)
     return len(layers)
 
 
