@@ -242,7 +242,7 @@ def execute(run: Run, ws: Workspace, log: Any) -> tuple[dict[str, Any], dict[str
                            "checkpointing": run.checkpointing, "steps": run.steps, "command": _shown(cmd, ws)}
     env = subprocess_env()
     if run.system == "zerolab-torchrun":  # the allocator settings zerolab's workers get
-        from zerolab.run import CUDA_ALLOC_CONF
+        from zerolab.cluster import CUDA_ALLOC_CONF
 
         env.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
     log.write(f"\n===== {run.name}\n$ {row['command']}\n")

@@ -35,8 +35,8 @@ def imports() -> None:
 def ray_pieces() -> None:
     import ray
 
+    from zerolab.cluster import connect_ray
     from zerolab.config import load_config
-    from zerolab.run import connect_ray
 
     cfg = load_config(None, ["scaling.use_gpu=true"] if _has_gpu() else [])
     t = time.perf_counter()

@@ -91,9 +91,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _connect_ray(device: str) -> None:
+    from zerolab.cluster import connect_ray
     from zerolab.config import load_config
     from zerolab.generation import resolve_device
-    from zerolab.run import connect_ray
 
     connect_ray(load_config(None, [f"scaling.use_gpu={str(resolve_device(device) == 'cuda').lower()}"]))
 

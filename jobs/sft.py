@@ -34,8 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     import psutil
 
     from zerolab.cli import run_job
+    from zerolab.cluster import shutdown_ray
     from zerolab.config import load_config
-    from zerolab.run import run_sft, shutdown_ray
+    from zerolab.run import run_sft
 
     try:
         code, message = run_job(lambda: run_sft(load_config(args.config, args.set), config_file=args.config,

@@ -110,8 +110,8 @@ def ensure_ray():
     after a test whose job shut it down (as a job's command line does)."""
     import ray
 
+    from zerolab.cluster import connect_ray
     from zerolab.config import load_config
-    from zerolab.run import connect_ray
 
     if not ray.is_initialized():
         connect_ray(load_config(None, []))

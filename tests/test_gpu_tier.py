@@ -98,7 +98,7 @@ def gpu_ray():
     CPU instance of the session is stopped first (the next test that needs one starts it again)."""
     import ray
 
-    from zerolab.run import connect_ray
+    from zerolab.cluster import connect_ray
 
     ray.shutdown()
     with pytest.MonkeyPatch.context() as mp:

@@ -18,8 +18,9 @@ import pytest
 
 from conftest import free_port, tiny_overrides
 from zerolab.checkpoints import RunFolder, verify_checkpoint
+from zerolab.cluster import connect_ray
 from zerolab.config import load_config
-from zerolab.run import connect_ray, run_sft, storage_path
+from zerolab.run import run_sft, storage_path
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -67,7 +67,7 @@ def s3_ray(s3_env, monkeypatch):
     session's cluster, where one runs, is started again without them afterwards."""
     import ray
 
-    from zerolab.run import connect_ray
+    from zerolab.cluster import connect_ray
 
     was_running = ray.is_initialized()
     ray.shutdown()

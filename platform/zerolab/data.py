@@ -51,16 +51,6 @@ class RowError(ValueError):
     """One row is malformed. ``str(exc)`` is '<category>: <detail>'."""
 
 
-def quiet_ray_data_logging() -> None:
-    """Keep Ray Data's warnings but not its per-dataset INFO lines (a dozen per job) nor the notice
-    that progress bars are off (zerolab prints its own data summary)."""
-    import ray.data
-
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
-    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
-
-
 # --- files -------------------------------------------------------------------------------------
 
 

@@ -12,6 +12,10 @@ class UserError(Exception):
     message says what is wrong and how to fix it."""
 
 
+class EnvironmentProblem(UserError):
+    """The machine or cluster cannot run the job as configured; the message says what to do."""
+
+
 EvaluationInput = Literal["adapter", "model", "task", "data", "base comparison", "merge", "workers", "device", "dtype", "output"]
 
 

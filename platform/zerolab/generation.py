@@ -317,7 +317,7 @@ def _generate_on_actors(spec: LoadSpec, examples: Sequence[Example], batches: li
                         device: str, dtype: str, workers: int) -> tuple[dict[int, tuple[list[str], list[int]]], list[dict[str, float]]]:
     import ray.data
 
-    from zerolab.data import quiet_ray_data_logging
+    from zerolab.cluster import quiet_ray_data_logging
 
     quiet_ray_data_logging()
     kind = "GPU" if device == "cuda" else "CPU"

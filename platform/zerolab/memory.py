@@ -85,7 +85,7 @@ class Calibration:
     (fitted: the median residual of the measured allocated peaks)."""
     reserved_factor: float = 1.003
     """Peak reserved / peak allocated of torch's caching allocator at ZeRO 0-2, with the expandable
-    segments zerolab's workers use (``zerolab.run.CUDA_ALLOC_CONF``): the median of the calibration
+    segments zerolab's workers use (``zerolab.cluster.CUDA_ALLOC_CONF``): the median of the calibration
     runs (1.001-1.004 with LoRA, 1.07 for full fine-tuning). With fixed-size blocks it was 1.01-2.8."""
     reserved_factor_zero3: float = 1.049
     """The same under ZeRO-3 without parameter offload, which gathers and frees every frozen weight

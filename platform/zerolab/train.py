@@ -38,8 +38,9 @@ from zerolab import adapters, kernels, perf
 from zerolab.batches import Batch, MicroBatches
 from zerolab.cadence import STOPPED_AT_DEADLINE, Cadence
 from zerolab.checkpoints import RunFolder
+from zerolab.cluster import quiet_ray_data_logging
 from zerolab.config import SFTConfig
-from zerolab.data import PreparedSplit, load_shard, quiet_ray_data_logging, shard_rows
+from zerolab.data import PreparedSplit, load_shard, shard_rows
 from zerolab.models import decoder_layers, load_model, load_tokenizer
 
 logger = logging.getLogger("zerolab.train")

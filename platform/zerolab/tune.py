@@ -378,7 +378,7 @@ def run_sweep(base: dict[str, Any], sweep: Sweep, *, resume: bool = False, out_d
     from ray.tune import RunConfig as TuneRunConfig
     from ray.tune import TuneConfig, Tuner
 
-    from zerolab.run import connect_ray, shutdown_ray
+    from zerolab.cluster import connect_ray, shutdown_ray
 
     base_cfg = base_config(base, sweep)
     points = validate_space(base_cfg, sweep)
@@ -438,8 +438,9 @@ def _announce_skips(base: SFTConfig, sweep: Sweep, points: list[dict[str, Any]],
     """Before the sweep: which grid points the memory estimator says will not fit (by their data,
     as the trials will check them)."""
     from zerolab import memory
+    from zerolab.errors import EnvironmentProblem
     from zerolab.models import ModelLoadError
-    from zerolab.run import EnvironmentProblem, cluster_limits, shard_lengths
+    from zerolab.run import cluster_limits, shard_lengths
 
     limits, model_configs = None, {}
     for point in points:

@@ -1,0 +1,195 @@
+"""The Ray cluster a job runs on: joining or starting it, the environment of the training
+processes, where one worker trains (``scaling.launch``), and shutting down."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import zerolab
+from zerolab.config import SFTConfig
+from zerolab.errors import EnvironmentProblem
+
+logger = logging.getLogger("zerolab.cluster")
+
+
+def quiet_ray_data_logging() -> None:
+    """Keep Ray Data's warnings but not its per-dataset INFO lines (a dozen per job) nor the notice
+    that progress bars are off (zerolab prints its own data summary)."""
+    import ray.data
+
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+
+CUDA_ALLOC_CONF = "expandable_segments:True"
+"""The workers' ``PYTORCH_CUDA_ALLOC_CONF`` unless the driver's environment sets one."""
+
+STORAGE_ENV_VARS = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", "MLFLOW_S3_ENDPOINT_URL")
+"""Where the object store is: passed from the driver's environment to the workers. Credentials are
+not (Ray shows a job's runtime_env in its dashboard and job records): workers take those from their
+node, as the driver does (instance role, workload identity, or the environment of ``ray start``)."""
+
+TRAIN_POLL_S = "0.5"
+"""How often Ray Train's controller polls the workers (``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``)."""
+
+
+def connect_ray(cfg: SFTConfig, *, log_to_driver: bool = True) -> None:
+    """Join the cluster named by RAY_ADDRESS (set by ``ray job submit``; ``auto`` joins a local
+    ``ray start`` cluster) or start a local one. zerolab itself is shipped to the workers with the
+    job (``py_modules``), so they need not have it installed."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    env_vars = worker_env(cfg)
+    from zerolab.ds_config import DS_CONFIG_DIR
+
+    # ds_configs/ travels too: a Tune trial resolves its DeepSpeed JSON on whichever node it runs.
+    modules = [str(Path(zerolab.__file__).parent), *([str(DS_CONFIG_DIR)] if DS_CONFIG_DIR.is_dir() else [])]
+    runtime_env = {"py_modules": modules, "env_vars": env_vars}
+    # Under `ray job submit` RAY_ADDRESS names the cluster; otherwise start a fresh local instance
+    # rather than joining whatever `ray start` left registered on this machine.
+    address = os.environ.get("RAY_ADDRESS") or "local"
+    _check_reachable(address)
+    options: dict[str, Any] = {}
+    if address == "local":
+        # Ray Train's controller and placement-group cleaner query the state API without an
+        # address; with another Ray instance on the machine (a `ray start` cluster, another job)
+        # they cannot tell which is theirs and print tracebacks. Name this instance's API server.
+        options["dashboard_port"] = _free_port()
+        env_vars["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{options['dashboard_port']}"
+    # A variable the submitted job's own runtime_env sets reaches the workers already, and Ray
+    # refuses a ray.init that sets it again.
+    job_env = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("runtime_env", {}).get("env_vars", {})
+    runtime_env["env_vars"] = {k: v for k, v in env_vars.items() if k not in job_env}
+    try:
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=log_to_driver, logging_level=logging.WARNING, **options)
+    except ConnectionError as exc:
+        raise EnvironmentProblem(
+            f"could not reach the Ray cluster at RAY_ADDRESS={address!r} ({exc}). Start one with "
+            "`ray start --head`, fix RAY_ADDRESS, or unset it to run on a local Ray instance."
+        ) from None
+    if address == "local":
+        _started_here.add(ray.get_runtime_context().gcs_address)
+    quiet_ray_data_logging()
+
+
+_started_here: set[str] = set()
+"""GCS addresses of the Ray instances this process started (nothing else runs on their resources)."""
+
+
+def worker_env(cfg: SFTConfig) -> dict[str, str]:
+    """Environment of the training processes: Ray's workers get it through the job's runtime_env,
+    the job's own process (``scaling.launch=driver``) before it trains."""
+    # Ray Train's controller polls its workers every 2 s by default, so a finished run (and each
+    # report) waited up to that long before the controller acted on it.
+    env = {"TOKENIZERS_PARALLELISM": "false",
+           "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", TRAIN_POLL_S)}
+    if not cfg.scaling.use_gpu:
+        env["DS_ACCELERATOR"] = "cpu"
+    else:
+        # Segments that grow instead of fixed blocks: the caching allocator then reserves little
+        # beyond the peak it allocates (fixed blocks left 1.7-2.8× the peak reserved on 2 GPUs
+        # and under ZeRO-3, docs/calibration/). A value the user exported wins.
+        env["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
+    for name in ("ZEROLAB_CACHE", *STORAGE_ENV_VARS):
+        if name in os.environ:
+            env[name] = os.environ[name]
+    return env
+
+
+def resolve_launch(cfg: SFTConfig) -> str:
+    """``driver`` or ``workers`` for this job (Ray connected): ``scaling.launch``, with ``auto``
+    resolved. The job's own process trains only where it owns what its one worker needs: a Ray
+    instance this process started (no other job is placed on it), or resources Ray reserved for
+    this process (a Tune trial's actor); never through Ray Client, whose driver is not on the
+    cluster. Raises EnvironmentProblem when ``driver`` is asked for and this node lacks a GPU."""
+    import ray
+
+    s = cfg.scaling
+    if s.launch == "workers" or s.num_workers != 1 or cfg.run.max_failures or ray.util.client.ray.is_connected():
+        if s.launch == "driver":
+            raise EnvironmentProblem("scaling.launch=driver: the job runs through Ray Client (RAY_ADDRESS=ray://...), so its "
+                                     "process is not on the cluster; submit it with `ray job submit` or set scaling.launch=workers")
+        return "workers"
+    if s.launch == "auto":
+        context = ray.get_runtime_context()
+        assigned = context.get_assigned_resources() if context.worker.mode == ray.WORKER_MODE else {}
+        owned = context.gcs_address in _started_here
+        reserved = assigned.get("CPU", 0) >= s.cpus_per_worker and assigned.get("GPU", 0) >= (1 if s.use_gpu else 0)
+        if not (owned or reserved):
+            return "workers"
+    if s.use_gpu:
+        node = ray.get_runtime_context().get_node_id()
+        gpus = next((n["Resources"].get("GPU", 0) for n in ray.nodes() if n["NodeID"] == node), 0)
+        if gpus < 1:
+            if s.launch == "auto":
+                return "workers"
+            raise EnvironmentProblem("scaling.launch=driver with scaling.use_gpu=true, but the job's node has no GPU; submit the "
+                                     "job with `ray job submit --entrypoint-num-gpus 1` (Ray then runs it on a GPU node), or set "
+                                     "scaling.launch=workers")
+    return "driver"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+TRAIN_ACTORS = ("TrainController", "PlacementGroupCleaner")
+"""Ray Train's actors that outlive ``fit()`` by a moment while they wind down."""
+
+
+def shutdown_ray(timeout_s: float = 15.0) -> None:
+    """Shut down the Ray instance this process started, after Ray Train's own actors have exited.
+
+    ``fit()`` returns while the train controller and its detached placement-group cleaner are
+    still winding down; shutting the local cluster down under them made them print GCS time-outs
+    and ``GetTimeoutError`` tracebacks after a successful run. A job joined to a cluster
+    (``RAY_ADDRESS``) only disconnects, which leaves the cluster's actors alone.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        return
+    if not os.environ.get("RAY_ADDRESS"):
+        from ray.util.state import list_actors
+        from ray.util.state.exception import RayStateApiException
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                alive = list_actors(address=ray.get_runtime_context().gcs_address, filters=[("state", "=", "ALIVE")], timeout=5,
+                                    raise_on_missing_output=False)
+            except (RayStateApiException, ConnectionError, TimeoutError) as exc:  # best effort: shutting down is what matters
+                logger.debug("could not list Ray actors before shutdown: %s", exc)
+                break
+            if not any(a.class_name in TRAIN_ACTORS for a in alive):
+                break
+            time.sleep(0.25)
+    ray.shutdown()
+
+
+def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """Fail fast on a ``host:port`` (or ``ray://host:port``) that does not accept connections:
+    ``ray.init`` would otherwise retry for minutes before giving up."""
+    match = re.fullmatch(r"(?:ray://)?\[?([^\]/]+?)\]?:(\d+)/?", address)
+    if not match:
+        return  # "local", "auto" and URLs of the job API are Ray's to resolve
+    host, port = match[1], int(match[2])
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise EnvironmentProblem(
+            f"could not reach the Ray cluster at RAY_ADDRESS={address!r} ({exc.strerror or exc}). Start one with "
+            "`ray start --head`, fix RAY_ADDRESS (the head's GCS address, host:6379 by default), or unset it to run "
+            "on a local Ray instance."
+        ) from None
