@@ -105,6 +105,11 @@ def worker_env(cfg: SFTConfig) -> dict[str, str]:
     return env
 
 
+def worker_resources(cfg: SFTConfig) -> dict[str, float]:
+    """What one training worker reserves from Ray: its CPUs, and a GPU when it trains on one."""
+    return {"CPU": cfg.scaling.cpus_per_worker, **({"GPU": 1} if cfg.scaling.use_gpu else {})}
+
+
 def resolve_launch(cfg: SFTConfig) -> str:
     """``driver`` or ``workers`` for this job (Ray connected): ``scaling.launch``, with ``auto``
     resolved. The job's own process trains only where it owns what its one worker needs: a Ray

@@ -27,7 +27,7 @@ import zerolab
 from zerolab import ds_config, tracking
 from zerolab.cadence import STOPPED_AT_DEADLINE
 from zerolab.checkpoints import RunFolder, RunRecord, location, prepare_run_folder
-from zerolab.cluster import connect_ray, resolve_launch, worker_env
+from zerolab.cluster import connect_ray, resolve_launch, worker_env, worker_resources
 from zerolab.config import ConfigError, SFTConfig
 from zerolab.data import DataError, PreparedSplit, SplitReport, dataset_paths, prepare_split
 from zerolab.errors import EnvironmentProblem
@@ -649,7 +649,7 @@ def build_trainer(plan: JobPlan, uri: str | None, run_id: str | None, stop_flag:
         return TorchTrainer(train_loop_per_worker, train_loop_config=loop_config,
                             scaling_config=ScalingConfig(num_workers=0, use_gpu=s.use_gpu),
                             run_config=RunConfig(name=cfg.run.name, storage_path=path, storage_filesystem=filesystem))
-    resources = {"CPU": s.cpus_per_worker, **({"GPU": 1} if s.use_gpu else {})}
+    resources = worker_resources(cfg)
     shards, data_config = worker_datasets(plan.splits, s.num_workers)
     return TorchTrainer(
         train_loop_per_worker,

@@ -305,11 +305,6 @@ def trains_in_trial(base: SFTConfig, sweep: Sweep) -> bool:
             and not any(d.key in LAUNCH_KEYS for d in sweep.space))
 
 
-def trial_resources(cfg: SFTConfig) -> dict[str, float]:
-    """What a trial that trains in its own actor reserves: its one worker's CPUs and GPU."""
-    return {"CPU": cfg.scaling.cpus_per_worker, **({"GPU": 1} if cfg.scaling.use_gpu else {})}
-
-
 @dataclass
 class TrialRow:
     trial_id: str
@@ -378,7 +373,7 @@ def run_sweep(base: dict[str, Any], sweep: Sweep, *, resume: bool = False, out_d
     from ray.tune import RunConfig as TuneRunConfig
     from ray.tune import TuneConfig, Tuner
 
-    from zerolab.cluster import connect_ray, shutdown_ray
+    from zerolab.cluster import connect_ray, shutdown_ray, worker_resources
 
     base_cfg = base_config(base, sweep)
     points = validate_space(base_cfg, sweep)
@@ -396,7 +391,10 @@ def run_sweep(base: dict[str, Any], sweep: Sweep, *, resume: bool = False, out_d
             in_trial = trains_in_trial(base_cfg, sweep)
             trainable = tune.with_resources(
                 tune.with_parameters(trial_function, base=base_cfg, sweep=sweep, data=data, parent_run_id=parent_id, uri=uri),
-                trial_resources(base_cfg) if in_trial else {"memory": 1})
+                # A trial that trains in its actor reserves its worker's resources; one that drives
+                # a worker group leaves them to the workers (Tune needs a non-empty request, and a
+                # byte of memory takes nothing they need).
+                worker_resources(base_cfg) if in_trial else {"memory": 1})
             parent.log_params({"sweep.search": sweep.search, "sweep.metric": sweep.metric, "sweep.mode": sweep.mode,
                                "sweep.scheduler": sweep.scheduler, "sweep.max_concurrent_trials": concurrent,
                                **{f"sweep.space.{d.key}": f"{d.kind} {list(d.values)}" for d in sweep.space}})
