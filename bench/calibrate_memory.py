@@ -94,6 +94,9 @@ class Case:
             f"deepspeed.stage={self.stage}", f"deepspeed.offload_optimizer={str(self.offload != 'none').lower()}",
             f"deepspeed.offload_param={str(self.offload == 'all').lower()}",
             f"scaling.num_workers={self.workers}", f"scaling.use_gpu={str(self.gpu).lower()}",
+            # Every case in a worker process of its own: the cases run one after another in this
+            # script's process, which a one-worker job would otherwise train in.
+            "scaling.launch=workers",
             f"train.precision={self.precision or ('bf16' if self.gpu else 'fp32')}", f"train.micro_batch_size={self.micro_batch}",
             f"train.max_steps={self.steps}", "train.log_every_n_steps=2", "train.lr=1e-4",
             f"data.packing={str(self.packing).lower()}", f"data.max_seq_length={self.seq_len}", f"data.num_train_rows={rows}",

@@ -746,3 +746,15 @@ def test_preflight_passes_a_job_that_fits_by_its_data_and_names_both_figures():
     too_long = memory.ShardLengths([[2000] * 400, [2048] * 400])
     with pytest.raises(MemoryPreflightError, match=r"(?s)largest micro-batch of the data 131,072 tokens"):
         memory.preflight(cfg, QWEN25_05B, Limits(gpu_mem_bytes=est.device_total, gpus_per_node=2), data=too_long)
+
+
+def test_a_process_that_trains_again_reports_the_new_runs_host_peak():
+    """The job's own process (or a reused Tune actor) trains run after run: its host peak starts
+    afresh for each (``perf.reset_memory_peaks``), so a run does not report an earlier one's."""
+    from zerolab import perf
+
+    scratch = np.ones(300 * 2**20 // 8)  # 300 MiB resident, then freed
+    del scratch
+    before = perf.host_rss_peak_bytes()
+    perf.reset_memory_peaks(torch.device("cpu"))
+    assert perf.host_rss_peak_bytes() < before - 200 * 2**20

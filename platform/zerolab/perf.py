@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import resource
 from typing import Any
 
@@ -53,5 +54,20 @@ def memory_metrics(device: torch.device, ctx: Any) -> dict[str, float]:
 
 
 def host_rss_peak_bytes() -> int:
-    """Peak resident set size of this process (Linux reports ru_maxrss in KiB)."""
+    """Peak resident set size of this process since it started or since :func:`reset_memory_peaks`
+    (Linux's VmHWM; elsewhere ru_maxrss, reported in KiB)."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_memory_peaks(device: torch.device) -> None:
+    """Start this process's peaks afresh (host RSS where Linux allows it, the device's allocator):
+    a process that trains one run after another (the job's own process, a reused Tune actor)
+    then reports each run's own peaks, not the largest of all."""
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # resets VmHWM to the current RSS
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)

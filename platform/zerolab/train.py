@@ -225,6 +225,8 @@ def _train(config: dict, place: RayWorker | InDriver, started: float) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     _seed_everything(cfg.train.seed + rank)
     device = place.device(cfg.scaling.use_gpu)
+    if isinstance(place, InDriver):  # this process may have trained before (a reused Tune actor)
+        perf.reset_memory_peaks(device)
     clear_stale_build_locks()
 
     batches = MicroBatches(
