@@ -84,3 +84,24 @@ def test_a_jobs_plan_resolves_model_data_and_deepspeed_once(ray_cluster, tmp_pat
     assert first.memory.estimate.data_aware and first.memory.params()["memory.estimate"]
     assert all(split.from_cache for split in second.splits.values())
     assert {k: r.fingerprint for k, r in second.reports.items()} == {k: r.fingerprint for k, r in first.reports.items()}
+
+
+def test_where_one_worker_trains_is_resolved_against_the_cluster(ray_cluster):
+    """``scaling.launch``: ``auto`` trains one worker in the job's process on the Ray instance the job
+    started, and in a worker group when the job has several workers or retries; ``driver`` on a node
+    without a GPU for a GPU job is refused with what to do, ``auto`` then takes the worker group."""
+    from zerolab.cluster import resolve_launch
+    from zerolab.config import load_config
+    from zerolab.errors import EnvironmentProblem
+
+    def launch(*overrides: str) -> str:
+        return resolve_launch(load_config(None, list(overrides)))
+
+    assert launch("scaling.num_workers=1") == "driver"
+    assert launch("scaling.num_workers=2") == "workers"
+    assert launch("scaling.num_workers=1", "run.max_failures=1") == "workers"
+    assert launch("scaling.num_workers=1", "scaling.launch=workers") == "workers"
+    if not ray_cluster.cluster_resources().get("GPU"):
+        assert launch("scaling.num_workers=1", "scaling.use_gpu=true") == "workers"
+        with pytest.raises(EnvironmentProblem, match="node has no GPU; submit the job with `ray job submit --entrypoint-num-gpus 1`"):
+            launch("scaling.num_workers=1", "scaling.use_gpu=true", "scaling.launch=driver")

@@ -19,15 +19,6 @@ from zerolab.errors import EnvironmentProblem
 logger = logging.getLogger("zerolab.cluster")
 
 
-def quiet_ray_data_logging() -> None:
-    """Keep Ray Data's warnings but not its per-dataset INFO lines (a dozen per job) nor the notice
-    that progress bars are off (zerolab prints its own data summary)."""
-    import ray.data
-
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
-    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
-
 CUDA_ALLOC_CONF = "expandable_segments:True"
 """The workers' ``PYTORCH_CUDA_ALLOC_CONF`` unless the driver's environment sets one."""
 
@@ -38,6 +29,16 @@ node, as the driver does (instance role, workload identity, or the environment o
 
 TRAIN_POLL_S = "0.5"
 """How often Ray Train's controller polls the workers (``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``)."""
+
+
+def quiet_ray_data_logging() -> None:
+    """Keep Ray Data's warnings but not its per-dataset INFO lines (a dozen per job) nor the notice
+    that progress bars are off (zerolab prints its own data summary)."""
+    import ray.data
+
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
 
 
 def connect_ray(cfg: SFTConfig, *, log_to_driver: bool = True) -> None:
