@@ -111,6 +111,12 @@ def worker_resources(cfg: SFTConfig) -> dict[str, float]:
     return {"CPU": cfg.scaling.cpus_per_worker, **({"GPU": 1} if cfg.scaling.use_gpu else {})}
 
 
+def may_train_in_driver(cfg: SFTConfig) -> bool:
+    """Whether the config lets the job's one worker train in the job's own process: one worker, no
+    retries, ``scaling.launch`` not ``workers`` (where it then trains is :func:`resolve_launch`'s)."""
+    return cfg.scaling.launch != "workers" and cfg.scaling.num_workers == 1 and not cfg.run.max_failures
+
+
 def resolve_launch(cfg: SFTConfig) -> str:
     """``driver`` or ``workers`` for this job (Ray connected): ``scaling.launch``, with ``auto``
     resolved. The job's own process trains only where it owns what its one worker needs: a Ray
@@ -120,7 +126,7 @@ def resolve_launch(cfg: SFTConfig) -> str:
     import ray
 
     s = cfg.scaling
-    if s.launch == "workers" or s.num_workers != 1 or cfg.run.max_failures or ray.util.client.ray.is_connected():
+    if not may_train_in_driver(cfg) or ray.util.client.ray.is_connected():
         if s.launch == "driver":
             raise EnvironmentProblem("scaling.launch=driver: the job runs through Ray Client (RAY_ADDRESS=ray://...), so its "
                                      "process is not on the cluster; submit it with `ray job submit` or set scaling.launch=workers")

@@ -300,9 +300,9 @@ def trains_in_trial(base: SFTConfig, sweep: Sweep) -> bool:
     worker, no retries, the same for every point): the actor then reserves the worker's CPUs/GPU,
     and Tune reuses it for the next trial, so a trial after the first starts with its imports
     done and no worker group to form."""
-    s = base.scaling
-    return (s.launch != "workers" and s.num_workers == 1 and not base.run.max_failures
-            and not any(d.key in LAUNCH_KEYS for d in sweep.space))
+    from zerolab.cluster import may_train_in_driver
+
+    return may_train_in_driver(base) and not any(d.key in LAUNCH_KEYS for d in sweep.space)
 
 
 @dataclass
