@@ -14,7 +14,7 @@ model and data):
 - ``torchrun``: zerolab's own training step under bare torchrun (no Ray, no MLflow) on the same
   config: the floor the others are compared with;
 - ``warm-submit``: ``ray job submit --entrypoint-num-gpus 1`` to a ``ray start --head`` cluster that is
-  already running, with ``scaling.launch=driver``, timed from the submit command's launch (twice: the
+  already running (the job then trains in its own process), timed from the submit command's launch (twice: the
   cluster's first job, then another);
 - ``warm-driver``: the job's driver joining that cluster directly (``RAY_ADDRESS=auto``), ``scaling.launch=driver``;
 - ``sweep``: ``jobs/tune.py`` with 6 trials on one GPU (grid of ``adapter.r`` × ``train.lr``): each
@@ -100,9 +100,8 @@ def with_overrides(run: harness.Run, *overrides: str) -> harness.Run:
 def warm_cases(run: harness.Run, ws: harness.Workspace, out: Path, env: dict[str, str], cases: set[str]) -> list[dict]:
     ray = shutil.which("ray") or "ray"
     rows = []
-    # A job that joins a cluster trains in its own process only when told to (other jobs may use
-    # the node's GPUs); submitted, it asks Ray for its GPU.
-    run = with_overrides(run, "scaling.launch=driver")
+    # Submitted with its GPU reserved (--entrypoint-num-gpus), the job trains in its own process by
+    # itself; a driver that joins the cluster directly has nothing reserved, so it is told to.
     gpus = ["--entrypoint-num-gpus", "1"] if "scaling.use_gpu=true" in harness.zerolab_overrides(run, ws) else []
     # `ray job submit` needs the dashboard's job server (ray[default]); where it cannot start, the
     # warm cluster is measured with the driver joining it directly.
@@ -117,7 +116,7 @@ def warm_cases(run: harness.Run, ws: harness.Workspace, out: Path, env: dict[str
                 rows.append(zerolab_case(run, f"warm-submit-{i}", ws, out, env,
                                          prefix=[ray, "job", "submit", "--address", "http://127.0.0.1:8265", *gpus, "--"]))
         if "warm-driver" in cases:
-            rows.append(zerolab_case(run, "warm-driver", ws, out, {**env, "RAY_ADDRESS": "auto"}))
+            rows.append(zerolab_case(with_overrides(run, "scaling.launch=driver"), "warm-driver", ws, out, {**env, "RAY_ADDRESS": "auto"}))
     finally:
         subprocess.run([ray, "stop", "--force"], env=env, capture_output=True)
     return rows

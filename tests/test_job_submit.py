@@ -34,6 +34,8 @@ def env_without_zerolab(root: Path) -> Path:
 
 
 def test_ray_job_submit_ships_zerolab(tmp_path, tiny_model_path):
+    """A two-worker job ships zerolab to its workers; a one-worker job submitted with the CPUs its
+    worker needs (``--entrypoint-num-cpus``) trains in the job's own process (``scaling.launch=auto``)."""
     python = env_without_zerolab(tmp_path / "env")
     probe = subprocess.run([str(python), "-c", "import ray, deepspeed, peft, mlflow; import zerolab"], capture_output=True, text=True)
     assert "No module named 'zerolab'" in probe.stderr, probe.stderr
@@ -78,17 +80,23 @@ def test_ray_job_submit_ships_zerolab(tmp_path, tiny_model_path):
             time.sleep(2)
         else:
             pytest.fail(f"the Ray head did not come up: {ok.stderr[-2000:]}")
-        for _ in range(15):  # the job API answers before the node's agent can take jobs
-            submit = subprocess.run(
-                [str(python), "-m", "ray.scripts.scripts", "job", "submit", "--address", address, "--working-dir", str(work),
-                 "--", "python", "jobs/sft.py", "--config", "small.yaml"],
-                env=env, capture_output=True, text=True, timeout=600,
-            )
-            output = submit.stdout + submit.stderr
-            if "No available agent to submit job" not in output:
-                break
-            time.sleep(2)
-        assert submit.returncode == 0 and "' succeeded" in output, output[-4000:]
+
+        def submit(*args: str) -> str:
+            for _ in range(15):  # the job API answers before the node's agent can take jobs
+                done = subprocess.run(
+                    [str(python), "-m", "ray.scripts.scripts", "job", "submit", "--address", address, "--working-dir", str(work),
+                     *args], env=env, capture_output=True, text=True, timeout=600,
+                )
+                output = done.stdout + done.stderr
+                if "No available agent to submit job" not in output:
+                    break
+                time.sleep(2)
+            assert done.returncode == 0 and "' succeeded" in output, output[-4000:]
+            return output
+
+        output = submit("--", "python", "jobs/sft.py", "--config", "small.yaml")
+        submit("--entrypoint-num-cpus", "1", "--", "python", "jobs/sft.py", "--config", "small.yaml",
+               "--set", "run.name=one-worker", "--set", "scaling.num_workers=1")
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         head.wait(timeout=60)
@@ -101,6 +109,9 @@ def test_ray_job_submit_ships_zerolab(tmp_path, tiny_model_path):
 
     client = MlflowClient(store)
     runs = client.search_runs([client.get_experiment_by_name("submit").experiment_id])
-    assert [r.info.run_name for r in runs] == ["submitted"] and runs[0].info.status == "FINISHED"
-    assert len(client.get_metric_history(runs[0].info.run_id, "train/loss")) == 2
-    assert client.list_artifacts(runs[0].info.run_id, "adapter")
+    by_name = {r.info.run_name: r for r in runs}
+    assert sorted(by_name) == ["one-worker", "submitted"] and all(r.info.status == "FINISHED" for r in runs)
+    assert {n: r.data.params["derived.launch"] for n, r in by_name.items()} == {"submitted": "workers", "one-worker": "driver"}
+    for run in runs:
+        assert len(client.get_metric_history(run.info.run_id, "train/loss")) == 2
+        assert client.list_artifacts(run.info.run_id, "adapter")

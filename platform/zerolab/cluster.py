@@ -121,8 +121,9 @@ def resolve_launch(cfg: SFTConfig) -> str:
     """``driver`` or ``workers`` for this job (Ray connected): ``scaling.launch``, with ``auto``
     resolved. The job's own process trains only where it owns what its one worker needs: a Ray
     instance this process started (no other job is placed on it), or resources Ray reserved for
-    this process (a Tune trial's actor); never through Ray Client, whose driver is not on the
-    cluster. Raises EnvironmentProblem when ``driver`` is asked for and this node lacks a GPU."""
+    this process (a Tune trial's actor, a job submitted with ``--entrypoint-num-gpus 1``); never
+    through Ray Client, whose driver is not on the cluster. Raises EnvironmentProblem when
+    ``driver`` is asked for and this node lacks a GPU."""
     import ray
 
     s = cfg.scaling
@@ -131,12 +132,9 @@ def resolve_launch(cfg: SFTConfig) -> str:
             raise EnvironmentProblem("scaling.launch=driver: the job runs through Ray Client (RAY_ADDRESS=ray://...), so its "
                                      "process is not on the cluster; submit it with `ray job submit` or set scaling.launch=workers")
         return "workers"
-    if s.launch == "auto":
-        context = ray.get_runtime_context()
-        assigned = context.get_assigned_resources() if context.worker.mode == ray.WORKER_MODE else {}
-        owned = context.gcs_address in _started_here
-        reserved = assigned.get("CPU", 0) >= s.cpus_per_worker and assigned.get("GPU", 0) >= (1 if s.use_gpu else 0)
-        if not (owned or reserved):
+    if s.launch == "auto" and ray.get_runtime_context().gcs_address not in _started_here:
+        reserved = reserved_resources()
+        if not (reserved.get("GPU", 0) >= 1 if s.use_gpu else reserved.get("CPU", 0) >= s.cpus_per_worker):
             return "workers"
     if s.use_gpu:
         node = ray.get_runtime_context().get_node_id()
@@ -148,6 +146,31 @@ def resolve_launch(cfg: SFTConfig) -> str:
                                      "job with `ray job submit --entrypoint-num-gpus 1` (Ray then runs it on a GPU node), or set "
                                      "scaling.launch=workers")
     return "driver"
+
+
+def reserved_resources() -> dict[str, float]:
+    """What Ray reserved for this process: a task's or actor's resources (a Tune trial), or the
+    entrypoint resources of the job it runs (``ray job submit --entrypoint-num-gpus/--entrypoint-num-cpus``),
+    which Ray holds in the job's supervisor actor, the process that started this one."""
+    import ray
+
+    context = ray.get_runtime_context()
+    if context.worker.mode == ray.WORKER_MODE:
+        return context.get_assigned_resources()
+    job = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("metadata", {}).get("job_submission_id")
+    if not job:
+        return {}
+    from ray.dashboard.modules.job.common import JOB_ACTOR_NAME_TEMPLATE
+    from ray.util.state import list_actors
+    from ray.util.state.exception import RayStateApiException
+
+    try:
+        supervisor = list_actors(filters=[("name", "=", JOB_ACTOR_NAME_TEMPLATE.format(job_id=job))], detail=True,
+                                 raise_on_missing_output=False, timeout=10)
+    except (RayStateApiException, ConnectionError, TimeoutError) as exc:  # then the job trains in a worker group
+        logger.debug("could not read the job's entrypoint resources: %s", exc)
+        return {}
+    return dict(supervisor[0].required_resources or {}) if supervisor else {}
 
 
 def _free_port() -> int:

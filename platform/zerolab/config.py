@@ -164,7 +164,7 @@ class ScalingSpec:
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """How Ray places the workers: PACK fills nodes (fast NVLink/shm), SPREAD spreads them over nodes."""
     launch: Literal["auto", "workers", "driver"] = "auto"
-    """Where training runs: `workers`, Ray Train's worker group (a process per worker, placed by Ray, retried with `run.max_failures`); `driver`, the job's own process as the one worker (Ray Train's local mode: no worker group to start, 15-30 s less before the first step; needs `num_workers` 1 and `run.max_failures` 0); `auto`, `driver` where it can run and owns its resources (a Ray instance the job started, a Tune trial's reserved CPUs/GPU), else `workers`."""
+    """Where training runs: `workers`, Ray Train's worker group (a process per worker, placed by Ray, retried with `run.max_failures`); `driver`, the job's own process as the one worker (Ray Train's local mode: no worker group to start, 15-30 s less before the first step; needs `num_workers` 1 and `run.max_failures` 0); `auto`, `driver` where it can run and owns its resources (a Ray instance the job started, a Tune trial's reserved CPUs/GPU, a job submitted with `ray job submit --entrypoint-num-gpus 1` or, on CPUs, `--entrypoint-num-cpus`), else `workers`."""
 
 
 @dataclass(frozen=True, kw_only=True)
