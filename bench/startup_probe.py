@@ -3,6 +3,9 @@
     python bench/startup_probe.py imports     # each heavy import in a fresh process, cumulative
     python bench/startup_probe.py ray         # Ray's start as zerolab makes it, an actor (twice: the
                                               # first sets up zerolab's runtime_env), and an empty Ray Train run
+    python bench/startup_probe.py overlap     # Ray's start and the job's imports (cluster.job_imports), one after
+                                              # the other, then in one process side by side as a job makes them
+    python bench/startup_probe.py overlap --switch 0.005   # ... with another thread switch interval
 
 Prints one ``probe <what> <seconds>`` line per measurement.
 """
@@ -78,6 +81,51 @@ def ray_pieces() -> None:
     _say("train-empty-fn-started", float(mark.read_text()) - t)
 
 
+def overlap() -> None:
+    """Each in a fresh process: Ray's start then the job's imports; both side by side."""
+    for mode in ("serial", "side-by-side"):
+        subprocess.run([sys.executable, __file__, "_overlap", mode, *sys.argv[2:]], check=True)
+
+
+def _overlap() -> None:
+    import importlib
+    import importlib.util
+
+    from zerolab import cluster
+    from zerolab.config import load_config
+
+    mode = sys.argv[2]
+    if "--switch" in sys.argv:
+        cluster.GIL_SWITCH_S = float(sys.argv[sys.argv.index("--switch") + 1])
+    gpu = importlib.util.find_spec("pynvml") is not None and _nvml_gpus() > 0
+    cfg = load_config(None, ["scaling.num_workers=1", *(["scaling.use_gpu=true"] if gpu else [])])
+    modules = cluster.job_imports(cfg)
+    import ray  # the job's process has it imported before Ray starts (zerolab.cli)
+
+    t = time.perf_counter()
+    if mode == "serial":
+        cluster.connect_ray(cfg)
+        _say("serial-ray", time.perf_counter() - t)
+        for name in modules:
+            importlib.import_module(name)
+    else:
+        with cluster._imported_meanwhile(modules):
+            cluster._connect(cfg, True)
+            _say(f"side-by-side-ray (switch {cluster.GIL_SWITCH_S:g} s)", time.perf_counter() - t)
+    _say(f"{mode}-ray-and-imports", time.perf_counter() - t)
+    ray.shutdown()
+
+
+def _nvml_gpus() -> int:
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetCount()
+    except pynvml.NVMLError:
+        return 0
+
+
 def _has_gpu() -> bool:
     import torch
 
@@ -85,4 +133,4 @@ def _has_gpu() -> bool:
 
 
 if __name__ == "__main__":
-    {"imports": imports, "ray": ray_pieces}[sys.argv[1]]()
+    {"imports": imports, "ray": ray_pieces, "overlap": overlap, "_overlap": _overlap}[sys.argv[1]]()

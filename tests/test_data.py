@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import rows_of, tiny_overrides
-from zerolab import data
+from zerolab import data, models
 from zerolab.batches import IGNORE_INDEX, MicroBatches
 from zerolab.config import ModelSpec, load_config
 from zerolab.data import (
@@ -163,7 +163,7 @@ def test_packed_and_padded_batches_give_the_same_loss(tiny_model_path):
 def tokenized_cache(tmp_path, monkeypatch):
     """A tokenized-data cache of this test's own (the tiny model stays where it was built)."""
     folder = tmp_path / "cache"
-    monkeypatch.setattr(data, "cache_dir", lambda: folder)
+    monkeypatch.setattr(models, "cache_dir", lambda: folder)
     return folder / "tokenized"
 
 

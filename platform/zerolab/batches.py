@@ -1,16 +1,20 @@
 """The batch format that the batcher produces and the model consumes: :class:`Batch`, the
 micro-batch stream :class:`MicroBatches` over one shard's tokenized rows, and the packed-sample
 boundaries under :data:`CU_SEQLENS_KEY` that the varlen attention kernel reads. Data preparation
-(:mod:`zerolab.data`) and the kernels (:mod:`zerolab.kernels`) both import it; it imports neither.
+(:mod:`zerolab.data`) and the kernels (:mod:`zerolab.kernels`) both import it; it imports neither,
+and imports torch only where it makes tensors (the driver plans batches without it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 IGNORE_INDEX = -100
 """Label of a token that does not contribute to the loss (prompt and padding)."""
@@ -24,6 +28,8 @@ micro-batch and its end: the batcher adds it to packed micro-batches; attention 
 def packed_cu_seqlens(row_lengths: list[list[int]], width: int) -> torch.Tensor:
     """Boundaries of every sample of a packed micro-batch in its flattened B×``width`` tokens: each
     row's samples, then its padding as one more (ignored) sequence."""
+    import torch
+
     bounds = [0]
     for row in row_lengths:
         start = bounds[-1]
@@ -122,6 +128,8 @@ class MicroBatches:
         return [self.collate(b) for b in self.plan(list(range(len(self.rows))))]
 
     def collate(self, batch: list[list[int]]) -> Batch:
+        import torch
+
         seqs = [np.concatenate([self.rows[i][0] for i in seq]) for seq in batch]
         labs = [np.concatenate([self.rows[i][1] for i in seq]) for seq in batch]
         lengths = [len(s) for s in seqs]

@@ -35,7 +35,6 @@ import pyarrow.compute as pc
 
 from zerolab.batches import IGNORE_INDEX
 from zerolab.config import SFTConfig
-from zerolab.models import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -481,6 +480,7 @@ class PreparedSplit:
 
 def dataset_paths(cfg: SFTConfig) -> dict[str, str]:
     """The files of each split: the configured ones, or task-generated ones (made once, cached)."""
+    from zerolab.models import cache_dir
     from zerolab.tasks import generate_dataset, get_task
 
     d = cfg.data
@@ -514,6 +514,7 @@ def prepare_split(split: str, path: str, cfg: SFTConfig, model_path: str) -> Pre
     Raises DataError with the full report when the split has no rows, no usable rows, or its
     fraction of bad rows exceeds ``data.max_bad_fraction``.
     """
+    from zerolab.models import cache_dir
     from zerolab.tasks import get_task
 
     key_name = "data.train_path" if split == "train" else "data.eval_path"

@@ -27,12 +27,11 @@ import zerolab
 from zerolab import ds_config, tracking
 from zerolab.cadence import STOPPED_AT_DEADLINE
 from zerolab.checkpoints import RunFolder, RunRecord, location, prepare_run_folder
-from zerolab.cluster import connect_ray, resolve_launch, worker_env, worker_resources
+from zerolab.cluster import connect_ray, job_imports, resolve_launch, worker_env, worker_resources
 from zerolab.config import ConfigError, SFTConfig
 from zerolab.data import DataError, PreparedSplit, SplitReport, dataset_paths, prepare_split
 from zerolab.errors import EnvironmentProblem
 from zerolab.memory import load_model_config
-from zerolab.models import linear_module_names, resolve_model_path
 
 logger = logging.getLogger("zerolab")
 
@@ -81,9 +80,9 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
         tracking.check_store(uri)
         store_opened = tracking.warm_up(uri)
         clock.mark("run folder and MLflow store checks")
-        connect_ray(cfg)
+        connect_ray(cfg, importing=job_imports(cfg))
         check_resources(cfg)
-        clock.mark("Ray")
+        clock.mark("Ray (the training stack imported meanwhile)")
         plan = plan_job(cfg, force=force, clock=clock, shared_data=shared_data)
         if resume.checkpoint:
             logger.info("%s %s from %s", "continuing finished run" if resume.extends else "resuming", cfg.run.name, resume.checkpoint)
@@ -184,6 +183,8 @@ def plan_job(cfg: SFTConfig, *, force: bool = False, clock: StartupClock | None 
     """Resolve ``cfg`` against its model, data and cluster (Ray connected): raises ConfigError,
     DataError, ModelLoadError or MemoryPreflightError (unless ``force``) for what cannot run.
     ``shared_data``: a sweep's splits for this trial (:func:`prepare_data`)."""
+    from zerolab.models import resolve_model_path
+
     model_path = resolve_model_path(cfg.model.name_or_path)
     model_config = load_model_config(cfg)
     resolved_ds = check_against_model(cfg, model_config)
@@ -481,6 +482,8 @@ def shard_lengths(datasets: dict[str, PreparedSplit], world_size: int) -> Any:
 def job_shard_lengths(cfg: SFTConfig) -> Any:
     """The job's shards (``shard_lengths``) from its data as a run would prepare it (its files, or
     the task's generated ones; the tokenized-data cache when unchanged), without starting workers."""
+    from zerolab.models import resolve_model_path
+
     splits = prepare_data(cfg, resolve_model_path(cfg.model.name_or_path))
     return shard_lengths(splits, cfg.world_size())
 
@@ -516,6 +519,8 @@ def cluster_limits(cfg: SFTConfig) -> Any:
 def check_against_model(cfg: SFTConfig, model_config: Any) -> dict[str, Any]:
     """Checks that need the model's architecture (``model_config``, see ``zerolab.memory.load_model_config``);
     returns the resolved DeepSpeed config. Problems from both are reported together."""
+    from zerolab.models import linear_module_names
+
     problems: list[str] = []
     linear = linear_module_names(cfg.model, model_config)
     if cfg.adapter.is_peft() and list(cfg.adapter.target_modules) != ["all-linear"]:
