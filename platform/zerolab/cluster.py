@@ -69,14 +69,17 @@ def connect_ray(cfg: SFTConfig, *, log_to_driver: bool = True, importing: Sequen
 def job_imports(cfg: SFTConfig) -> tuple[str, ...]:
     """The modules an SFT job's process imports after its start (``zerolab.run`` imports none of
     them): the driver's (models, Ray Train), and the training stack where its one worker may train
-    in the process, whose environment (``worker_env``) it then takes."""
+    in the process (which then needs :func:`adopt_worker_env` first)."""
     driver = ("zerolab.models", "zerolab.train", "ray.train.torch")
-    if not may_train_in_driver(cfg):
-        return driver
-    # DeepSpeed picks its accelerator from the environment when imported.
+    return (*driver, "peft", "deepspeed") if may_train_in_driver(cfg) else driver
+
+
+def adopt_worker_env(cfg: SFTConfig) -> None:
+    """Give this process the training processes' environment (:func:`worker_env`), where it may
+    train itself; before DeepSpeed is imported, which picks its accelerator from it. A variable
+    already set wins."""
     for name, value in worker_env(cfg).items():
         os.environ.setdefault(name, value)
-    return (*driver, "peft", "deepspeed")
 
 
 @contextlib.contextmanager

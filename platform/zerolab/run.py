@@ -27,7 +27,7 @@ import zerolab
 from zerolab import ds_config, tracking
 from zerolab.cadence import STOPPED_AT_DEADLINE
 from zerolab.checkpoints import RunFolder, RunRecord, location, prepare_run_folder
-from zerolab.cluster import connect_ray, job_imports, resolve_launch, worker_env, worker_resources
+from zerolab.cluster import adopt_worker_env, connect_ray, job_imports, may_train_in_driver, resolve_launch, worker_resources
 from zerolab.config import ConfigError, SFTConfig
 from zerolab.data import DataError, PreparedSplit, SplitReport, dataset_paths, prepare_split
 from zerolab.errors import EnvironmentProblem
@@ -80,6 +80,8 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
         tracking.check_store(uri)
         store_opened = tracking.warm_up(uri)
         clock.mark("run folder and MLflow store checks")
+        if may_train_in_driver(cfg):
+            adopt_worker_env(cfg)
         connect_ray(cfg, importing=job_imports(cfg))
         check_resources(cfg)
         clock.mark("Ray (the training stack imported meanwhile)")
@@ -647,8 +649,7 @@ def build_trainer(plan: JobPlan, uri: str | None, run_id: str | None, stop_flag:
         "report_every_log": in_tune,
     }
     if plan.launch == "driver":
-        for name, value in worker_env(cfg).items():
-            os.environ.setdefault(name, value)
+        adopt_worker_env(cfg)
         loop_config["in_driver"] = InDriver(splits=plan.splits, folder=RunFolder.of(cfg, storage_path(cfg)), resume_from=resume_from,
                                             keep=cfg.train.keep_checkpoints, in_tune=in_tune)
         return TorchTrainer(train_loop_per_worker, train_loop_config=loop_config,
