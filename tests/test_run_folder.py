@@ -213,3 +213,17 @@ def test_the_start_up_line_names_every_phase_to_the_first_step(caplog):
     assert ("first optimizer step 12.0 s after launch (Ray 4.0 s, model config and data 1.5 s, workers to their first step 6.5 s)"
             in caplog.text)
     assert clock.report({}) == {}  # a run stopped before its final report has no first-step time
+
+
+def test_the_jobs_driver_code_leaves_the_training_stack_to_import_while_ray_starts():
+    """``zerolab.run`` imports none of the training stack: a job imports it on a second thread while
+    Ray starts (``cluster.job_imports``); one that imported it up front pays both one after the other."""
+    code = ("import sys, zerolab.run\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'peft', 'deepspeed', 'mlflow', 'ray.train') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
+
+    from zerolab.cluster import job_imports
+
+    assert set(job_imports(load_config(None, ["scaling.num_workers=1"]))) >= {"zerolab.models", "peft", "deepspeed"}
+    assert "deepspeed" not in job_imports(load_config(None, ["scaling.num_workers=2"]))  # the workers import it
