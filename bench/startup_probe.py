@@ -110,7 +110,7 @@ def _overlap() -> None:
             importlib.import_module(name)
     else:
         with cluster._imported_meanwhile(modules):
-            cluster._connect(cfg, True)
+            cluster._connect(cfg, "local", True)
             _say(f"side-by-side-ray (switch {cluster.GIL_SWITCH_S:g} s)", time.perf_counter() - t)
     _say(f"{mode}-ray-and-imports", time.perf_counter() - t)
     ray.shutdown()

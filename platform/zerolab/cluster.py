@@ -62,8 +62,12 @@ def connect_ray(cfg: SFTConfig, *, log_to_driver: bool = True, importing: Sequen
 
     if ray.is_initialized():
         return
+    # Under `ray job submit` RAY_ADDRESS names the cluster; otherwise start a fresh local instance
+    # rather than joining whatever `ray start` left registered on this machine.
+    address = os.environ.get("RAY_ADDRESS") or "local"
+    _check_reachable(address)  # before the imports start: a wrong address fails at once
     with _imported_meanwhile(importing):
-        _connect(cfg, log_to_driver)
+        _connect(cfg, address, log_to_driver)
 
 
 def job_imports(cfg: SFTConfig) -> tuple[str, ...]:
@@ -109,7 +113,7 @@ def _imported_meanwhile(modules: Sequence[str]) -> Iterator[None]:
         thread.join()
 
 
-def _connect(cfg: SFTConfig, log_to_driver: bool) -> None:
+def _connect(cfg: SFTConfig, address: str, log_to_driver: bool) -> None:
     import ray
 
     env_vars = worker_env(cfg)
@@ -118,10 +122,6 @@ def _connect(cfg: SFTConfig, log_to_driver: bool) -> None:
     # ds_configs/ travels too: a Tune trial resolves its DeepSpeed JSON on whichever node it runs.
     modules = [str(Path(zerolab.__file__).parent), *([str(DS_CONFIG_DIR)] if DS_CONFIG_DIR.is_dir() else [])]
     runtime_env = {"py_modules": modules, "env_vars": env_vars}
-    # Under `ray job submit` RAY_ADDRESS names the cluster; otherwise start a fresh local instance
-    # rather than joining whatever `ray start` left registered on this machine.
-    address = os.environ.get("RAY_ADDRESS") or "local"
-    _check_reachable(address)
     options: dict[str, Any] = {}
     if address == "local":
         # Ray Train's controller and placement-group cleaner query the state API without an
