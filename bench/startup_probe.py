@@ -89,15 +89,15 @@ def overlap() -> None:
 
 def _overlap() -> None:
     import importlib
-    import importlib.util
 
     from zerolab import cluster
     from zerolab.config import load_config
+    from zerolab.memory import Limits
 
     mode = sys.argv[2]
     if "--switch" in sys.argv:
         cluster.GIL_SWITCH_S = float(sys.argv[sys.argv.index("--switch") + 1])
-    gpu = importlib.util.find_spec("pynvml") is not None and _nvml_gpus() > 0
+    gpu = bool(Limits.detect_with_nvml().gpus_per_node)
     cfg = load_config(None, ["scaling.num_workers=1", *(["scaling.use_gpu=true"] if gpu else [])])
     modules = cluster.job_imports(cfg)
     import ray  # the job's process has it imported before Ray starts (zerolab.cli)
@@ -114,16 +114,6 @@ def _overlap() -> None:
             _say(f"side-by-side-ray (switch {cluster.GIL_SWITCH_S:g} s)", time.perf_counter() - t)
     _say(f"{mode}-ray-and-imports", time.perf_counter() - t)
     ray.shutdown()
-
-
-def _nvml_gpus() -> int:
-    import pynvml
-
-    try:
-        pynvml.nvmlInit()
-        return pynvml.nvmlDeviceGetCount()
-    except pynvml.NVMLError:
-        return 0
 
 
 def _has_gpu() -> bool:
