@@ -81,7 +81,7 @@ def test_ray_job_submit_ships_zerolab(tmp_path, tiny_model_path):
         else:
             pytest.fail(f"the Ray head did not come up: {ok.stderr[-2000:]}")
 
-        def submit(*args: str) -> str:
+        def submit(*args: str, ok: bool = True) -> str:
             for _ in range(15):  # the job API answers before the node's agent can take jobs
                 done = subprocess.run(
                     [str(python), "-m", "ray.scripts.scripts", "job", "submit", "--address", address, "--working-dir", str(work),
@@ -91,12 +91,18 @@ def test_ray_job_submit_ships_zerolab(tmp_path, tiny_model_path):
                 if "No available agent to submit job" not in output:
                     break
                 time.sleep(2)
-            assert done.returncode == 0 and "' succeeded" in output, output[-4000:]
+            assert (done.returncode == 0 and "' succeeded" in output) == ok, output[-4000:]
             return output
 
         output = submit("--", "python", "jobs/sft.py", "--config", "small.yaml")
         submit("--entrypoint-num-cpus", "1", "--", "python", "jobs/sft.py", "--config", "small.yaml",
                "--set", "run.name=one-worker", "--set", "scaling.num_workers=1")
+        # Two workers of one CPU each cannot start beside the CPU the job's own process holds (the
+        # head has two): refused at once, not left waiting for resources.
+        refused = submit("--entrypoint-num-cpus", "1", "--", "python", "jobs/sft.py", "--config", "small.yaml",
+                         "--set", "run.name=refused", ok=False)
+        assert "cluster has 2, less 1 CPU that the job's own process holds" in refused, refused[-4000:]
+        assert "Traceback" not in refused
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         head.wait(timeout=60)

@@ -27,7 +27,15 @@ import zerolab
 from zerolab import ds_config, tracking
 from zerolab.cadence import STOPPED_AT_DEADLINE
 from zerolab.checkpoints import RunFolder, RunRecord, location, prepare_run_folder
-from zerolab.cluster import adopt_worker_env, connect_ray, job_imports, may_train_in_driver, resolve_launch, worker_resources
+from zerolab.cluster import (
+    adopt_worker_env,
+    connect_ray,
+    job_imports,
+    may_train_in_driver,
+    reserved_resources,
+    resolve_launch,
+    worker_resources,
+)
 from zerolab.config import ConfigError, SFTConfig
 from zerolab.data import DataError, PreparedSplit, SplitReport, dataset_paths, prepare_split
 from zerolab.errors import EnvironmentProblem
@@ -83,9 +91,10 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
         if may_train_in_driver(cfg):
             adopt_worker_env(cfg)
         connect_ray(cfg, importing=job_imports(cfg))
-        check_resources(cfg)
+        launch = resolve_launch(cfg)
+        check_resources(cfg, launch)
         clock.mark("Ray (the training stack imported meanwhile)")
-        plan = plan_job(cfg, force=force, clock=clock, shared_data=shared_data)
+        plan = plan_job(cfg, force=force, clock=clock, shared_data=shared_data, launch=launch)
         if resume.checkpoint:
             logger.info("%s %s from %s", "continuing finished run" if resume.extends else "resuming", cfg.run.name, resume.checkpoint)
         warn_if_node_local(uri)
@@ -181,10 +190,11 @@ class JobPlan:
 
 
 def plan_job(cfg: SFTConfig, *, force: bool = False, clock: StartupClock | None = None,
-             shared_data: dict[str, PreparedSplit] | None = None) -> JobPlan:
+             shared_data: dict[str, PreparedSplit] | None = None, launch: str | None = None) -> JobPlan:
     """Resolve ``cfg`` against its model, data and cluster (Ray connected): raises ConfigError,
     DataError, ModelLoadError or MemoryPreflightError (unless ``force``) for what cannot run.
-    ``shared_data``: a sweep's splits for this trial (:func:`prepare_data`)."""
+    ``shared_data``: a sweep's splits for this trial (:func:`prepare_data`); ``launch``: where it
+    trains, when already resolved (``cluster.resolve_launch``)."""
     from zerolab.models import resolve_model_path
 
     model_path = resolve_model_path(cfg.model.name_or_path)
@@ -196,7 +206,8 @@ def plan_job(cfg: SFTConfig, *, force: bool = False, clock: StartupClock | None 
     memory = check_memory(cfg, model_config, force=force, datasets=splits)
     if clock:
         clock.mark("memory estimate")
-    return JobPlan(cfg, model_path, model_config, resolved_ds, splits, memory, tracking.git_commit(), resolve_launch(cfg))
+    return JobPlan(cfg, model_path, model_config, resolved_ds, splits, memory, tracking.git_commit(),
+                   launch or resolve_launch(cfg))
 
 
 class StartupClock:
@@ -356,30 +367,38 @@ class StopSignal:
                 signal.signal(s, handler)
 
 
-def check_resources(cfg: SFTConfig) -> None:
-    """Refuse a job the cluster cannot place (Ray Train would otherwise wait for resources forever)."""
+def check_resources(cfg: SFTConfig, launch: str = "workers") -> None:
+    """Refuse a job the cluster cannot place (Ray Train would otherwise wait for resources forever).
+    A worker group cannot use what the job's own process holds (``ray job submit
+    --entrypoint-num-gpus/--entrypoint-num-cpus``): that is left out of what the cluster has."""
     import ray
 
     resources = ray.cluster_resources()
     s = cfg.scaling
+    held = {k: v for k, v in reserved_resources().items() if k in ("CPU", "GPU") and v} if launch == "workers" else {}
+    note = ""
+    if held:
+        note = (f", less {', '.join(f'{v:g} {k}' for k, v in held.items())} that the job's own process holds (the job was "
+                "submitted with --entrypoint-num-gpus/--entrypoint-num-cpus, which its worker group cannot use: submit it "
+                "without them, or with scaling.num_workers=1 it trains in that process)")
     if s.use_gpu:
-        gpus = int(resources.get("GPU", 0))
-        if gpus == 0:
+        if int(resources.get("GPU", 0)) == 0:
             raise EnvironmentProblem(
                 "scaling.use_gpu=true but the Ray cluster has no GPUs (no CUDA device was found, or the nodes "
                 "were started without them). Run on a GPU machine/cluster, or set --set scaling.use_gpu=false to "
                 "train on CPUs."
             )
-        if gpus < s.num_workers:
+        gpus = int(resources.get("GPU", 0))
+        if gpus - held.get("GPU", 0) < s.num_workers:
             raise EnvironmentProblem(
-                f"scaling.num_workers={s.num_workers} needs {s.num_workers} GPUs but the cluster has {gpus}; lower "
+                f"scaling.num_workers={s.num_workers} needs {s.num_workers} GPUs but the cluster has {gpus}{note}; lower "
                 "scaling.num_workers or add GPU nodes."
             )
     cpus = resources.get("CPU", 0)
-    if s.num_workers * s.cpus_per_worker > cpus:
+    if s.num_workers * s.cpus_per_worker > cpus - held.get("CPU", 0):
         raise EnvironmentProblem(
             f"scaling.num_workers × scaling.cpus_per_worker = {s.num_workers} × {s.cpus_per_worker:g} CPUs, but the "
-            f"cluster has {cpus:g}; lower either, or add nodes."
+            f"cluster has {cpus:g}{note}; lower either, or add nodes."
         )
 
 
