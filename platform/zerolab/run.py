@@ -382,13 +382,13 @@ def check_resources(cfg: SFTConfig, launch: str = "workers") -> None:
                 "submitted with --entrypoint-num-gpus/--entrypoint-num-cpus, which its worker group cannot use: submit it "
                 "without them, or with scaling.num_workers=1 it trains in that process)")
     if s.use_gpu:
-        if int(resources.get("GPU", 0)) == 0:
+        gpus = int(resources.get("GPU", 0))
+        if gpus == 0:
             raise EnvironmentProblem(
                 "scaling.use_gpu=true but the Ray cluster has no GPUs (no CUDA device was found, or the nodes "
                 "were started without them). Run on a GPU machine/cluster, or set --set scaling.use_gpu=false to "
                 "train on CPUs."
             )
-        gpus = int(resources.get("GPU", 0))
         if gpus - held.get("GPU", 0) < s.num_workers:
             raise EnvironmentProblem(
                 f"scaling.num_workers={s.num_workers} needs {s.num_workers} GPUs but the cluster has {gpus}{note}; lower "
