@@ -4,6 +4,7 @@ processes, where one worker trains (``scaling.launch``), and shutting down."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import json
 import logging
@@ -212,10 +213,12 @@ def resolve_launch(cfg: SFTConfig) -> str:
     return "driver"
 
 
+@functools.cache
 def reserved_resources() -> dict[str, float]:
     """What Ray reserved for this process: a task's or actor's resources (a Tune trial), or the
     entrypoint resources of the job it runs (``ray job submit --entrypoint-num-gpus/--entrypoint-num-cpus``),
-    which Ray holds in the job's supervisor actor, the process that started this one."""
+    which Ray holds in the job's supervisor actor, the process that started this one. Fixed for
+    the process's life, so read once (Ray connected)."""
     import ray
 
     context = ray.get_runtime_context()

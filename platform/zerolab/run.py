@@ -367,7 +367,7 @@ class StopSignal:
                 signal.signal(s, handler)
 
 
-def check_resources(cfg: SFTConfig, launch: str = "workers") -> None:
+def check_resources(cfg: SFTConfig, launch: str) -> None:
     """Refuse a job the cluster cannot place (Ray Train would otherwise wait for resources forever).
     A worker group cannot use what the job's own process holds (``ray job submit
     --entrypoint-num-gpus/--entrypoint-num-cpus``): that is left out of what the cluster has."""
@@ -667,8 +667,7 @@ def build_trainer(plan: JobPlan, uri: str | None, run_id: str | None, stop_flag:
         "deadline_unix": deadline,
         "report_every_log": in_tune,
     }
-    if plan.launch == "driver":
-        adopt_worker_env(cfg)
+    if plan.launch == "driver":  # this process took the workers' environment before its imports (run_sft)
         loop_config["in_driver"] = InDriver(splits=plan.splits, folder=RunFolder.of(cfg, storage_path(cfg)), resume_from=resume_from,
                                             keep=cfg.train.keep_checkpoints, in_tune=in_tune)
         return TorchTrainer(train_loop_per_worker, train_loop_config=loop_config,
