@@ -139,6 +139,11 @@ SUITES: dict[str, list[Run]] = {
     "compile-7b": [Run("zerolab", "qwen2.5-7b", steps=16, window=8, variant=f"{label}-{rep}", kernels=k, timeout_s=360,
                        overrides=(f"model.compile={str(c).lower()}",))
                    for rep in (1, 2) for label, c, k in (("eager", False, "auto"), ("compile", True, "auto"), ("compile-nokernels", True, "none"))],
+    # The same on the 0.5B shape (4 packed 4k rows): a quicker check of the compiled path, and the
+    # more launch-bound step of the two.
+    "compile-0.5b": [Run("zerolab", "qwen2.5-0.5b", micro_batch=4, steps=20, window=10, variant=f"{label}-{rep}", timeout_s=240,
+                         overrides=(f"model.compile={str(c).lower()}",))
+                     for rep in (1, 2) for label, c in (("eager", False), ("compile", True))],
     # The ZeRO-3 target with compiled layers: ZeRO-2 and ZeRO-3 (leaf layers) on two GPUs, 1 packed 4k row.
     "compile-zero3-7b-2gpu": [Run("zerolab", "qwen2.5-7b", gpus=2, stage=stage, steps=12, window=6, variant="compile", timeout_s=360,
                                   overrides=("model.compile=true",)) for stage in (2, 3)],
