@@ -129,6 +129,32 @@ def test_killed_driver_relaunch_resumes_with_each_step_logged_once(tmp_path, tin
     assert metric_steps(uri, run.info.run_id, "train/resumed_from_step")
 
 
+def test_a_one_worker_job_trains_in_its_own_process_without_ray_and_stops_on_ctrl_c(tmp_path, tiny_model_path):
+    """A job of one worker on a machine of its own starts no Ray (``cluster.needs_ray``): Ray Train's
+    local mode in the job's process. Ctrl-C there still saves a checkpoint at the next logging step
+    and marks the run KILLED (the stop flag is an Event of the process, not a Ray actor)."""
+    cmd = sft_command(tmp_path, **{"run.name": "alone", "scaling.num_workers": 1, "train.max_steps": 400,
+                                   "train.checkpoint_every_n_steps": 1000})
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "step 10/400" in line:
+            proc.send_signal(signal.SIGINT)
+            break
+    rest, _ = proc.communicate(timeout=300)
+    output = "".join(lines) + rest
+    assert proc.returncode == 130, output[-3000:]
+    assert "it trains in this process, without starting Ray" in output
+    assert "Started a local Ray instance" not in output and "raylet" not in output
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (run,) = runs_named(uri, "tests", "alone")
+    assert run.info.status == "KILLED" and run.data.params["derived.launch"] == "driver"
+    stopped_at = int(latest_checkpoint(tmp_path / "runs" / "alone").rsplit("_", 1)[1])
+    assert 10 <= stopped_at < 400 and stopped_at % 5 == 0  # at a logging step
+
+
 @pytest.mark.slow
 def test_ctrl_c_checkpoints_marks_killed_and_the_printed_command_resumes(tmp_path, tiny_model_path):
     cmd = sft_command(tmp_path, **{"run.name": "interrupted", "train.max_steps": 120, "train.checkpoint_every_n_steps": 1000})

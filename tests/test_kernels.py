@@ -322,6 +322,36 @@ def _compiled_and_eager(spec: ModelSpec, dtype: torch.dtype, device: str, batche
     return pairs, counters["stats"]["unique_graphs"], dict(counters["graph_break"])
 
 
+def test_compiled_layers_hand_the_compiler_the_lora_products_not_the_fused_node(tiny_model_path):
+    """Inside a compiled layer the fused LoRA forward gives Dynamo plain products, which Inductor
+    differentiates and fuses itself: no autograd.Function reaches the graph (on CUDA, torch 2.11's
+    Dynamo failed to trace ``_LoRALinear`` and the adapters got no gradient at all). Eager layers
+    keep the one-node form."""
+    from zerolab.adapters import apply_adapter
+    from zerolab.config import AdapterSpec
+    from zerolab.models import decoder_layers
+
+    torch.manual_seed(0)
+    model = apply_adapter(load_model(ModelSpec(), torch.float32), AdapterSpec(method="lora", r=4, alpha=8, dropout=0.0), 10)
+    with torch.no_grad():  # lora_B starts at zero, which would leave lora_A without a gradient
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05)
+    assert kernels.fuse_lora(model)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def recording(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    kernels.compile_layers(decoder_layers(model), backend=recording)
+    model(input_ids=torch.tensor([[5, 9, 13, 2, 7, 11]])).logits.float().pow(2).mean().backward()
+    ops = {str(node.target) for gm in graphs for node in gm.graph.nodes}
+    assert graphs and any("addmm" in op for op in ops), ops
+    assert not any("autograd_function" in op for op in ops), ops
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if "lora_A" in n)
+
+
 def test_a_layer_that_fails_to_compile_runs_eagerly_and_says_why(caplog):
     """``model.compile`` on a layer its compiler cannot handle: the layer runs eagerly (the same
     outputs) and Dynamo's warning names the failure, instead of the job dying at its first step."""

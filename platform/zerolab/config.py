@@ -55,7 +55,7 @@ class ModelSpec:
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about a third more compute."""
     compile: bool = False
-    """`torch.compile` each decoder layer (regional: the compiled graphs serve every layer; fewer, fused kernels); the first steps compile, and a graph that fails to compile runs eagerly with a warning saying why. Meant for GPUs (gain not yet measured there: docs/benchmark.md); on CPU it is slower."""
+    """`torch.compile` each decoder layer (regional: the compiled graphs serve every layer; fewer, fused kernels); the first steps compile, and a graph that fails to compile runs eagerly with a warning saying why. Inductor then generates the norm, RoPE and SwiGLU kernels (Liger's fused loss stays). Meant for GPUs (gain not yet measured there: docs/benchmark.md); on CPU it is slower."""
     trust_remote_code: bool = False
     """Allow model code from the hub repository to run (only for models you trust)."""
 
@@ -164,7 +164,7 @@ class ScalingSpec:
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """How Ray places the workers: PACK fills nodes (fast NVLink/shm), SPREAD spreads them over nodes."""
     launch: Literal["auto", "workers", "driver"] = "auto"
-    """Where training runs: `workers`, Ray Train's worker group (a process per worker, placed by Ray, retried with `run.max_failures`); `driver`, the job's own process as the one worker (Ray Train's local mode: no worker group to start, 15-30 s less before the first step; needs `num_workers` 1 and `run.max_failures` 0); `auto`, `driver` where it can run and owns its resources (a Ray instance the job started, a Tune trial's reserved CPUs/GPU, a job submitted with `ray job submit --entrypoint-num-gpus 1` or, on CPUs, `--entrypoint-num-cpus`), else `workers`."""
+    """Where training runs: `workers`, Ray Train's worker group (a process per worker, placed by Ray, retried with `run.max_failures`); `driver`, the job's own process as the one worker (Ray Train's local mode: no worker group to start, 15-30 s less before the first step; needs `num_workers` 1 and `run.max_failures` 0); `auto`, `driver` where it can run and owns its resources (a machine of its own with no `RAY_ADDRESS`, where the job then starts no Ray at all; a Tune trial's reserved CPUs/GPU; a job submitted with `ray job submit --entrypoint-num-gpus 1` or, on CPUs, `--entrypoint-num-cpus`), else `workers`."""
 
 
 @dataclass(frozen=True, kw_only=True)

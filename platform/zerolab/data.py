@@ -534,7 +534,10 @@ def prepare_split(split: str, path: str, cfg: SFTConfig, model_path: str) -> Pre
         report = SplitReport(split=split, files=[Path(f).name for f in files], fingerprint=data_fingerprint, cache_key=key)
         local_bytes = sum(Path(f).stat().st_size for f in files) if not remote else 0
         if remote or local_bytes > DRIVER_MAX_BYTES:
+            from zerolab.cluster import connect_ray
+
             report.prepared_with = "ray data"
+            connect_ray(cfg)  # a job that trains in its own process has not started Ray (cluster.needs_ray)
             table = _tokenize_with_ray_data(files, model, system_prompt, cfg.data.max_seq_length)
         else:
             report.prepared_with = "driver"

@@ -163,10 +163,11 @@ def liger_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
 
 
-def use_liger(kernels: str, *, use_gpu: bool) -> bool:
+def use_liger(kernels: str, *, use_gpu: bool, compiled: bool = False) -> bool:
     """Whether Liger's RMSNorm, SwiGLU and RoPE kernels will be applied (what the memory estimate
-    needs to know): on GPU, with ``model.kernels`` ``liger``, or ``auto`` where the package is installed."""
-    if kernels == "none" or not use_gpu:
+    needs to know): on GPU, with ``model.kernels`` ``liger``, or ``auto`` where the package is installed;
+    never in compiled decoder layers (``model.compile``), where Inductor generates those kernels."""
+    if kernels == "none" or not use_gpu or compiled:
         return False
     return kernels == "liger" or importlib.util.find_spec("liger_kernel") is not None
 
@@ -178,9 +179,12 @@ def use_fused_loss(kernels: str, *, use_gpu: bool, head_trains: bool) -> bool:
     return use_liger(kernels, use_gpu=use_gpu) and not head_trains
 
 
-def apply_liger(model: torch.nn.Module, *, fused_loss: bool) -> list[str]:
+def apply_liger(model: torch.nn.Module, *, fused_loss: bool, layers: bool = True) -> list[str]:
     """Patch ``model`` (a Hugging Face causal LM, before peft wraps it) with Liger's kernels; returns
-    what was applied ([] where Liger is unavailable or the architecture unsupported)."""
+    what was applied ([] where Liger is unavailable or the architecture unsupported). ``layers=False``
+    (decoder layers to be compiled) leaves the norms, RoPE and SwiGLU to Inductor, which fuses them
+    itself: Liger's Triton kernels inside a compiled graph defeat Inductor's analysis of what they
+    write (torch 2.11 then assumes they write every input) and add minutes to the compile."""
     if not liger_available():
         return []
     try:
@@ -191,10 +195,10 @@ def apply_liger(model: torch.nn.Module, *, fused_loss: bool) -> list[str]:
     patch = getattr(monkey_patch, f"apply_liger_kernel_to_{model.config.model_type}", None)
     if patch is None:
         return []
-    options = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False, "fused_linear_cross_entropy": False}
+    options = {"rope": layers, "rms_norm": layers, "swiglu": layers, "cross_entropy": False, "fused_linear_cross_entropy": False}
     accepted = inspect.signature(patch).parameters
     patch(model=model, **{k: v for k, v in options.items() if k in accepted})
-    applied = [k for k in ("rope", "rms_norm", "swiglu") if k in accepted]
+    applied = [k for k in ("rope", "rms_norm", "swiglu") if k in accepted and layers]
     if fused_loss and hasattr(model, "lm_head") and hasattr(model, "model"):
         model.forward = types.MethodType(_fused_loss_forward, model)
         applied.append("fused_linear_cross_entropy")
@@ -258,7 +262,10 @@ def _lora_addmm_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -
             or not x.dtype == a_layer.weight.dtype == b_layer.weight.dtype == base.weight.dtype):
         return type(self).forward(self, x, *args, **kwargs)
     flat = x.reshape(-1, x.shape[-1])
-    if isinstance(self.lora_dropout[name], torch.nn.Identity) and not base.weight.requires_grad and (
+    # In a compiled layer the plain products below: Inductor derives and fuses their backward
+    # itself, and Dynamo on torch 2.11 failed to trace the autograd.Function on CUDA (the adapters
+    # then got no gradient at all).
+    if not torch.compiler.is_compiling() and isinstance(self.lora_dropout[name], torch.nn.Identity) and not base.weight.requires_grad and (
             base.bias is None or not base.bias.requires_grad):
         out = _LoRALinear.apply(flat, base.weight, base.bias, a_layer.weight, b_layer.weight, self.scaling[name])
     else:

@@ -867,7 +867,7 @@ class _Estimator:
         from zerolab.kernels import use_fused_loss, use_liger
 
         head_trains = not self.peft or "lm_head" in target_projections(cfg.adapter)[0]
-        self.liger = use_liger(cfg.model.kernels, use_gpu=self.gpu)
+        self.liger = use_liger(cfg.model.kernels, use_gpu=self.gpu, compiled=cfg.model.compile)
         self.fused_loss = use_fused_loss(cfg.model.kernels, use_gpu=self.gpu, head_trains=head_trains)
         self.P = sum(p.total for p in inventory)
         self.T = sum(p.total for p in inventory if p.trainable)

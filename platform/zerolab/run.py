@@ -30,8 +30,10 @@ from zerolab.checkpoints import RunFolder, RunRecord, location, prepare_run_fold
 from zerolab.cluster import (
     adopt_worker_env,
     connect_ray,
+    import_now,
     job_imports,
     may_train_in_driver,
+    needs_ray,
     reserved_resources,
     resolve_launch,
     worker_resources,
@@ -90,10 +92,15 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
         clock.mark("run folder and MLflow store checks")
         if may_train_in_driver(cfg):
             adopt_worker_env(cfg)
-        connect_ray(cfg, importing=job_imports(cfg))
+        if needs_ray(cfg):
+            connect_ray(cfg, importing=job_imports(cfg))
+            clock.mark("Ray (the training stack imported meanwhile)")
+        else:
+            logger.info("one worker on this machine: it trains in this process, without starting Ray (Ray Train's local mode)")
+            import_now(job_imports(cfg))
+            clock.mark("the training stack's imports")
         launch = resolve_launch(cfg)
         check_resources(cfg, launch)
-        clock.mark("Ray (the training stack imported meanwhile)")
         plan = plan_job(cfg, force=force, clock=clock, shared_data=shared_data, launch=launch)
         if resume.checkpoint:
             logger.info("%s %s from %s", "continuing finished run" if resume.extends else "resuming", cfg.run.name, resume.checkpoint)
@@ -127,7 +134,7 @@ def _train(plan: JobPlan, run: tracking.TrackedRun, record: RunRecord, folder: R
     folder.write_record(record)  # training begins
     clock.mark("MLflow run")
     deadline = clock.launched + cfg.run.max_wall_time_s if cfg.run.max_wall_time_s else None
-    stop = StopSignal(cfg.train.log_every_n_steps)
+    stop = StopSignal(cfg.train.log_every_n_steps, plan.launch)
     trainer = build_trainer(plan, run.uri, run.run_id, stop.flag, in_tune=in_tune, deadline=deadline, resume_from=resume_from)
     with stop.installed():
         result = stop.fit(trainer)
@@ -299,11 +306,17 @@ class StopSignal:
 
     Rank 0 reads it at each logging step, where the loop synchronises anyway, and shares it through
     that step's all-reduce, so every rank stops after the same step and joins the final
-    checkpoint's collectives; reading it every step would cost a device sync per step.
+    checkpoint's collectives; reading it every step would cost a device sync per step. A job that
+    trains in its own process (``launch`` ``driver``) reads a ``threading.Event``; a worker group
+    an actor on the driver's node.
     """
 
-    def __init__(self, log_every_n_steps: int) -> None:
+    def __init__(self, log_every_n_steps: int, launch: str) -> None:
         self.log_every_n_steps = log_every_n_steps
+        self._requested = False
+        self.flag: Any = threading.Event()
+        if launch == "driver":
+            return
         import ray
 
         @ray.remote(num_cpus=0)
@@ -320,13 +333,15 @@ class StopSignal:
         # On the driver's node, like Ray Train's controller: on a worker node it would die with that
         # node, and the retry from the last checkpoint would fail on the lost flag.
         self.flag = _Flag.options(label_selector={"ray.io/node-id": ray.get_runtime_context().get_node_id()}).remote()
-        self._requested = False
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self._requested:
             raise KeyboardInterrupt
         self._requested = True
-        self.flag.set.remote()
+        if isinstance(self.flag, threading.Event):
+            self.flag.set()
+        else:
+            self.flag.set.remote()
         logger.warning("%s received: the workers will save a checkpoint and stop at the next logging step (within "
                        "train.log_every_n_steps=%d steps); send it again to abort without a checkpoint",
                        signal.Signals(signum).name, self.log_every_n_steps)
@@ -373,8 +388,15 @@ def check_resources(cfg: SFTConfig, launch: str) -> None:
     --entrypoint-num-gpus/--entrypoint-num-cpus``): that is left out of what the cluster has."""
     import ray
 
-    resources = ray.cluster_resources()
     s = cfg.scaling
+    if not ray.is_initialized():  # one worker, in this process, on this machine (cluster.needs_ray)
+        import torch
+
+        if s.use_gpu and not torch.cuda.device_count():
+            raise EnvironmentProblem("scaling.use_gpu=true but this machine has no CUDA GPU that this process can see; run on a "
+                                     "GPU machine, or set --set scaling.use_gpu=false to train on CPUs.")
+        return
+    resources = ray.cluster_resources()
     held = {k: v for k, v in reserved_resources().items() if k in ("CPU", "GPU") and v} if launch == "workers" else {}
     note = ""
     if held:
@@ -407,7 +429,7 @@ def warn_if_node_local(tracking_uri: str) -> None:
     logs metrics from its own node, where that file exists only on a filesystem all nodes mount."""
     import ray
 
-    if not tracking_uri.startswith(("sqlite:", "file:", "/", ".", "~")):
+    if not ray.is_initialized() or not tracking_uri.startswith(("sqlite:", "file:", "/", ".", "~")):
         return
     nodes = sum(1 for node in ray.nodes() if node["Alive"])
     if nodes > 1:
@@ -518,6 +540,9 @@ def cluster_limits(cfg: SFTConfig) -> Any:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from zerolab.memory import Limits
+
+    if not ray.is_initialized():  # the job trains in this process (cluster.needs_ray)
+        return Limits.detect()
 
     @ray.remote(num_cpus=0)
     def detect() -> Limits:

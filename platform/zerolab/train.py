@@ -23,6 +23,7 @@ import random
 import shutil
 import socket
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -220,7 +221,8 @@ def _train(config: dict, place: RayWorker | InDriver, started: float) -> None:
 
     cfg: SFTConfig = config["sft"]  # the driver's validated config; its data files need not exist here
     ds_config: dict = config["deepspeed"]
-    _setup_worker_logging(own_handler=ray.get_runtime_context().worker.mode == ray.WORKER_MODE)  # not the job's process
+    # A Ray worker (a group's, a Tune trial's actor) logs through its own handler; the job's process has one.
+    _setup_worker_logging(own_handler=ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE)
     ctx = place.context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     _seed_everything(cfg.train.seed + rank)
@@ -296,7 +298,7 @@ def _train(config: dict, place: RayWorker | InDriver, started: float) -> None:
                 elapsed = time.perf_counter() - window_start
                 if rank == 0:
                     window[2] = cadence.stop_code(now=time.time(), window_s=elapsed,
-                                                  requested=lambda: stop_flag is not None and ray.get(stop_flag.get.remote()))
+                                                  requested=lambda: _stop_requested(stop_flag))
                 dist.all_reduce(window)
                 stop = int(window[2].item())
                 metrics = {
@@ -355,6 +357,15 @@ def _open_tracker(tracking: dict, start_step: int, params: dict[str, Any]) -> An
     return tracker
 
 
+def _stop_requested(flag: Any) -> bool:
+    """The driver's stop flag (``zerolab.run.StopSignal``): an Event in the job's own process, else an actor."""
+    if flag is None or isinstance(flag, threading.Event):
+        return flag is not None and flag.is_set()
+    import ray
+
+    return ray.get(flag.get.remote())
+
+
 def _system_metrics(config: dict, ctx: Any) -> contextlib.AbstractContextManager:
     """MLflow system metrics for this node, sampled by its local rank 0, labelled by host and Ray node."""
     tracking_info, interval = config.get("tracking"), config["sft"].tracking.system_metrics_interval_s
@@ -364,7 +375,7 @@ def _system_metrics(config: dict, ctx: Any) -> contextlib.AbstractContextManager
 
     from zerolab.tracking import system_metrics
 
-    node = f"{socket.gethostname()}-{ray.get_runtime_context().get_node_id()[:8]}"
+    node = f"{socket.gethostname()}-{ray.get_runtime_context().get_node_id()[:8]}" if ray.is_initialized() else socket.gethostname()
     return system_metrics(tracking_info["uri"], tracking_info["run_id"], interval, node)
 
 
@@ -396,8 +407,9 @@ def _build_model(cfg: SFTConfig, ds_config: dict, total_steps: int, device: torc
     head_trains = not cfg.adapter.is_peft() or "lm_head" in cfg.adapter.target_modules
     fused_loss = kernels.use_fused_loss(cfg.model.kernels, use_gpu=cfg.scaling.use_gpu, head_trains=head_trains)
     if cfg.model.kernels != "none" and cfg.scaling.use_gpu:
-        applied = kernels.apply_liger(model, fused_loss=fused_loss)
-        log_rank0("Liger kernels: %s", ", ".join(applied) if applied else "not available (liger_kernel not installed)")
+        applied = kernels.apply_liger(model, fused_loss=fused_loss, layers=not cfg.model.compile)
+        log_rank0("Liger kernels: %s", ", ".join(applied) or ("none (compiled layers)" if kernels.liger_available() else
+                                                               "not available (liger_kernel not installed)"))
     # Training needs no KV cache, and with one transformers ignores the per-sample position ids
     # of packed batches: packed samples would attend to each other.
     model.config.use_cache = False
