@@ -144,6 +144,14 @@ SUITES: dict[str, list[Run]] = {
     "compile-0.5b": [Run("zerolab", "qwen2.5-0.5b", micro_batch=4, steps=20, window=10, variant=f"{label}-{rep}", timeout_s=240,
                          overrides=(f"model.compile={str(c).lower()}",))
                      for rep in (1, 2) for label, c in (("eager", False), ("compile", True))],
+    # The Ray path's cost on one GPU, medians of three alternating: zerolab as a job runs it (one
+    # worker: in the job's process, Ray Train's local mode), zerolab through Ray Train's worker group,
+    # and the same loop under bare torchrun.
+    "ray-path-0.5b": [r for rep in (1, 2, 3) for r in (
+        Run("zerolab", "qwen2.5-0.5b", micro_batch=4, steps=20, window=10, variant=f"auto-{rep}", timeout_s=180),
+        Run("zerolab", "qwen2.5-0.5b", micro_batch=4, steps=20, window=10, variant=f"workers-{rep}", timeout_s=180,
+            overrides=("scaling.launch=workers",)),
+        Run("zerolab-torchrun", "qwen2.5-0.5b", micro_batch=4, steps=20, window=10, variant=f"rep{rep}", timeout_s=180))],
     # The ZeRO-3 target with compiled layers: ZeRO-2 and ZeRO-3 (leaf layers) on two GPUs, 1 packed 4k row.
     "compile-zero3-7b-2gpu": [Run("zerolab", "qwen2.5-7b", gpus=2, stage=stage, steps=12, window=6, variant="compile", timeout_s=360,
                                   overrides=("model.compile=true",)) for stage in (2, 3)],
