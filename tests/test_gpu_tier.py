@@ -109,8 +109,11 @@ def gpu_ray():
 
 
 def case_config(tmp_path: Path, model_path: str, overrides: list[str], num_workers: int, *, use_gpu: bool = True) -> SFTConfig:
+    # A worker group even for one GPU: each case in a fresh process with DeepSpeed's CUDA accelerator.
+    # In this process DeepSpeed may run on the CPU tier's (DS_ACCELERATOR=cpu): a ZeRO-3 case trained
+    # here failed with a CPU tensor in an NCCL collective.
     values = {"model.name_or_path": model_path, "scaling.use_gpu": str(use_gpu).lower(), "scaling.num_workers": num_workers,
-              "data.num_train_rows": 128, "data.num_eval_rows": 16, "train.max_steps": STEPS}
+              "scaling.launch": "workers", "data.num_train_rows": 128, "data.num_eval_rows": 16, "train.max_steps": STEPS}
     values.update(o.split("=", 1) for o in overrides)
     if importlib.util.find_spec("sqlalchemy") is None:  # mlflow-skinny (the GPU hosts): a file store
         values.update({"tracking.uri": f"file://{tmp_path / 'mlruns'}", "tracking.register": "false"})

@@ -102,6 +102,19 @@ def test_target_modules_are_checked_against_the_model(ray_cluster, tmp_path, tin
         run_sft(cfg)
 
 
+def test_a_process_that_trained_with_zero3_loads_its_next_model_whole(ray_cluster, tmp_path, tiny_model_path):
+    """The job's own process (or a reused Tune actor) trains again after a ZeRO-3 run: transformers'
+    ZeRO-3 loading is switched off at the run's end, so the next job's models (its plan's, its
+    training's) load whole rather than partitioned for a stage they do not run."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    base = tiny_overrides(tmp_path, **{"scaling.num_workers": 1, "train.max_steps": 2})
+    first = run_sft(load_config(None, [*base, "run.name=z3", "deepspeed.stage=3"]))
+    assert first.metrics["step"] == 2 and not is_deepspeed_zero3_enabled()
+    second = run_sft(load_config(None, [*base, "run.name=z2", "deepspeed.stage=2"]))
+    assert second.metrics["step"] == 2
+
+
 def test_one_worker_trains_in_the_jobs_process_as_a_ray_worker_would(ray_cluster, tmp_path, tiny_model_path):
     """With one worker, ``scaling.launch=auto`` trains in the job's own process (Ray Train's local
     mode: no worker group to start). It trains what a Ray Train worker trains for the same seed,

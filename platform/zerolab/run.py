@@ -389,6 +389,9 @@ def check_resources(cfg: SFTConfig, launch: str) -> None:
     import ray
 
     s = cfg.scaling
+    if launch == "driver" and s.use_gpu and os.environ.get("DS_ACCELERATOR", "cuda") != "cuda":
+        raise EnvironmentProblem(f"scaling.use_gpu=true, but this process has DS_ACCELERATOR={os.environ['DS_ACCELERATOR']}, "
+                                 "which DeepSpeed would train with; unset it, or set --set scaling.use_gpu=false to train on CPUs.")
     if not ray.is_initialized():  # one worker, in this process, on this machine (cluster.needs_ray)
         import torch
 

@@ -212,8 +212,20 @@ def train_loop_per_worker(config: dict) -> None:
     started = time.perf_counter()
     place: RayWorker | InDriver = config.get("in_driver") or RayWorker()
     backend = "nccl" if config["sft"].scaling.use_gpu else "gloo"
-    with place.process_group(backend):
-        _train(config, place, started)
+    try:
+        with place.process_group(backend):
+            _train(config, place, started)
+    finally:
+        _forget_zero3_loading()
+
+
+def _forget_zero3_loading() -> None:
+    """Drop the ZeRO-3 loading state ``_build_model`` set: a process that trains again (the job's
+    own, a reused Tune actor) would otherwise load its next model partitioned, whatever its stage."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    _build_model.hf_ds_config = None  # type: ignore[attr-defined]
+    unset_hf_deepspeed_config()
 
 
 def _train(config: dict, place: RayWorker | InDriver, started: float) -> None:
