@@ -186,9 +186,10 @@ def needs_ray(cfg: SFTConfig) -> bool:
     """Whether the job connects to Ray before it trains: it joins a cluster (``RAY_ADDRESS``, which
     ``ray job submit`` sets), runs where Ray is connected already (a Tune trial), or trains in a
     worker group. A job of one worker on a machine of its own trains in its own process (Ray
-    Train's local mode), for which a Ray instance would do nothing: it starts none, and saves Ray's
-    start (≈ 10 s on an H100 host, and the imports it slows). Ray Data starts one where the job's
-    inputs need it (:func:`zerolab.data.prepare_split`)."""
+    Train's local mode), for which a Ray instance would do nothing: it starts none (its processes,
+    ports and session files; on the 2-core CPU machine its first step came 2-4 s sooner, on an H100
+    host Ray's start hid behind the imports). Ray Data starts one where the job's inputs need it
+    (:func:`zerolab.data.prepare_split`)."""
     import ray
 
     return bool(os.environ.get("RAY_ADDRESS")) or ray.is_initialized() or not may_train_in_driver(cfg)

@@ -55,7 +55,7 @@ class ModelSpec:
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about a third more compute."""
     compile: bool = False
-    """`torch.compile` each decoder layer (regional: the compiled graphs serve every layer; fewer, fused kernels); the first steps compile, and a graph that fails to compile runs eagerly with a warning saying why. Inductor then generates the norm, RoPE and SwiGLU kernels (Liger's fused loss stays). Meant for GPUs (gain not yet measured there: docs/benchmark.md); on CPU it is slower."""
+    """`torch.compile` each decoder layer (regional: the compiled graphs serve every layer; fewer, fused kernels); the first steps compile, and a graph that fails to compile runs eagerly with a warning saying why. Inductor then generates the norm, RoPE and SwiGLU kernels (Liger's fused loss stays). Meant for GPUs (0.5B on one H100: +2.4%, after ≈ 33 s of compiling; docs/benchmark.md); on CPU it is slower."""
     trust_remote_code: bool = False
     """Allow model code from the hub repository to run (only for models you trust)."""
 

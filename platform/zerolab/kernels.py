@@ -21,7 +21,8 @@
   product's own epilogue; without dropout the layer is one autograd node whose backward also
   accumulates the adapter's input gradient into the base product's instead of autograd adding the
   two. Plain LoRA (rsLoRA too) with one active adapter, on any device, below ZeRO-3 (whose hooks
-  partition and gather weights around module calls); other layers keep peft's forward.
+  partition and gather weights around module calls); other layers keep peft's forward, and a
+  compiled layer gets the same products without the one-node backward (Inductor fuses its own).
 - Regional compilation (``model.compile``, ``compile_layers``): each decoder layer's forward goes
   through ``torch.compile`` (Inductor), which fuses its elementwise work (norms, RoPE, SwiGLU,
   residual adds, LoRA's dropout and scale) into fewer kernels and launches them from generated
