@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -129,6 +130,23 @@ def test_killed_driver_relaunch_resumes_with_each_step_logged_once(tmp_path, tin
     assert metric_steps(uri, run.info.run_id, "train/resumed_from_step")
 
 
+def interrupted_at(cmd: list[str], line: str, *, env: dict[str, str] | None = None,
+                   before: Callable[[subprocess.Popen], None] | None = None) -> tuple[subprocess.Popen, str]:
+    """Run ``cmd``, send it SIGINT once it prints ``line`` (after ``before(proc)``), and return the
+    ended process with its whole output."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    for got in proc.stdout:
+        lines.append(got)
+        if line in got:
+            if before:
+                before(proc)
+            proc.send_signal(signal.SIGINT)
+            break
+    rest, _ = proc.communicate(timeout=300)
+    return proc, "".join(lines) + rest
+
+
 def test_a_one_worker_job_trains_in_its_own_process_without_ray_and_stops_on_ctrl_c(tmp_path, tiny_model_path):
     """A job of one worker on a machine of its own starts no Ray (``cluster.needs_ray``): Ray Train's
     local mode in the job's process. Ctrl-C there still saves a checkpoint at the next logging step
@@ -136,15 +154,7 @@ def test_a_one_worker_job_trains_in_its_own_process_without_ray_and_stops_on_ctr
     cmd = sft_command(tmp_path, **{"run.name": "alone", "scaling.num_workers": 1, "train.max_steps": 400,
                                    "train.checkpoint_every_n_steps": 1000})
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "step 10/400" in line:
-            proc.send_signal(signal.SIGINT)
-            break
-    rest, _ = proc.communicate(timeout=300)
-    output = "".join(lines) + rest
+    proc, output = interrupted_at(cmd, "step 10/400", env=env)
     assert proc.returncode == 130, output[-3000:]
     assert "it trains in this process, without starting Ray" in output
     assert "Started a local Ray instance" not in output and "raylet" not in output
@@ -158,18 +168,12 @@ def test_a_one_worker_job_trains_in_its_own_process_without_ray_and_stops_on_ctr
 @pytest.mark.slow
 def test_ctrl_c_checkpoints_marks_killed_and_the_printed_command_resumes(tmp_path, tiny_model_path):
     cmd = sft_command(tmp_path, **{"run.name": "interrupted", "train.max_steps": 120, "train.checkpoint_every_n_steps": 1000})
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "step 10/120" in line:
-            # While it trains, a second job with the same run name is refused: the run folder is locked.
-            second = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            assert second.returncode == 2 and f"is in use by process {proc.pid}" in second.stderr, second.stderr[-2000:]
-            proc.send_signal(signal.SIGINT)
-            break
-    rest, _ = proc.communicate(timeout=300)
-    output = "".join(lines) + rest
+
+    def while_it_trains(proc: subprocess.Popen) -> None:  # a second job with the same run name: the folder is locked
+        second = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert second.returncode == 2 and f"is in use by process {proc.pid}" in second.stderr, second.stderr[-2000:]
+
+    proc, output = interrupted_at(cmd, "step 10/120", before=while_it_trains)
     assert proc.returncode == 130, output[-3000:]
     assert "stop at the next logging step (within train.log_every_n_steps=5 steps)" in output
     # The driver's own lines (not those Ray forwards from its actors, "(Actor pid=...) ...") are clean.
