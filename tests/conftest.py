@@ -21,7 +21,6 @@ def _record_environment(record_testsuite_property) -> None:
     """The machine and versions, as test-suite properties of a --junitxml report (bench/gpu_report.py
     puts them in the recorded page; without --junitxml this does nothing)."""
     import importlib.metadata
-    import subprocess
 
     import torch
 
@@ -34,12 +33,25 @@ def _record_environment(record_testsuite_property) -> None:
             record_testsuite_property(package, importlib.metadata.version(package.replace("_", "-")))
         except importlib.metadata.PackageNotFoundError:
             record_testsuite_property(package, "not installed")
+    record_testsuite_property("commit", os.environ.get("ZEROLAB_COMMIT") or _checkout_commit())
+
+
+def _checkout_commit() -> str:
+    """The commit of this checkout (``-dirty`` with changed tracked files), or ``unknown``: also for a
+    copy without ``.git`` (``git archive``) inside another repository, whose commit it is not (set
+    ``ZEROLAB_COMMIT`` for such a copy)."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        if Path(git("rev-parse", "--show-toplevel") or "/nonexistent").resolve() != REPO.resolve():
+            return "unknown"
+        commit, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
     except OSError:  # no git on this machine
-        commit, dirty = "", ""
-    record_testsuite_property("commit", f"{commit}{'-dirty' if dirty else ''}" if commit else "unknown")
+        return "unknown"
+    return f"{commit}{'-dirty' if dirty else ''}" if commit else "unknown"
 
 
 def tiny_overrides(tmp_path: Path, **extra: object) -> list[str]:

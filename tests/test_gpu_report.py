@@ -58,3 +58,22 @@ def test_a_pytest_junit_report_becomes_the_page(tmp_path):
     rows = [line for line in page.splitlines() if line.startswith("| `test_sample.py")]
     assert len(rows) == 3 and rows[1].startswith("| `test_sample.py::test_matrix` | 2gpu-full-zero3 | failed |")
     assert "logits differ \\| by 3e-1" in rows[1]  # a '|' in a message does not split the table's cell
+
+
+def test_the_recorded_commit_is_this_checkouts_or_unknown(tmp_path):
+    """The commit a report records is this checkout's; a copy of the tree without ``.git`` (``git
+    archive``, as carried to the GPU hosts) inside another repository records ``unknown`` rather
+    than that repository's commit (``ZEROLAB_COMMIT`` names such a copy's)."""
+    from conftest import _checkout_commit
+
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    assert _checkout_commit().removesuffix("-dirty") == head
+
+    outer = tmp_path / "outer"
+    (outer / "copy" / "tests").mkdir(parents=True)
+    subprocess.run(["git", "init", "-q"], cwd=outer, check=True)
+    subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "--allow-empty", "-m", "x"], cwd=outer, check=True)
+    (outer / "copy" / "tests" / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
+    code = "import conftest, os; print(conftest._checkout_commit())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=outer / "copy" / "tests", capture_output=True, text=True)
+    assert out.stdout.strip() == "unknown", out.stderr[-2000:]
