@@ -6,10 +6,10 @@
 Cases (0.5B shape on one GPU, 4 packed rows of ≤ 4,096 tokens per step, 20 steps; bench/harness.py's
 model and data):
 
-- ``cold-nocache``: ``run_sft`` in a fresh process that starts Ray itself, with an empty tokenized-data
-  cache (the data goes through Ray Data);
+- ``cold-nocache``: ``run_sft`` in a fresh process with an empty tokenized-data cache (the data goes
+  through Ray Data, which starts Ray);
 - ``cold``: the same with the data cache warm (twice); one worker, so it trains in the job's own
-  process (``scaling.launch=auto``);
+  process (``scaling.launch=auto``) and starts no Ray;
 - ``cold-workers``: ``cold`` with ``scaling.launch=workers`` (Ray Train's worker group), for comparison;
 - ``torchrun``: zerolab's own training step under bare torchrun (no Ray, no MLflow) on the same
   config: the floor the others are compared with;
