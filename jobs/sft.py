@@ -31,17 +31,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
 
-    import psutil
-
     from zerolab.cli import run_job
     from zerolab.cluster import shutdown_ray
     from zerolab.config import load_config
-    from zerolab.run import run_sft
+    from zerolab.run import process_start_time, run_sft
 
     try:
         code, message = run_job(lambda: run_sft(load_config(args.config, args.set), config_file=args.config,
                                                 restart=args.restart, force=args.force,
-                                                launched=psutil.Process().create_time() if argv is None else None),
+                                                launched=process_start_time() if argv is None else None),
                                 command=sys.argv if argv is None else ["jobs/sft.py", *argv])
     finally:
         shutdown_ray()

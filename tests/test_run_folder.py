@@ -215,6 +215,15 @@ def test_the_start_up_line_names_every_phase_to_the_first_step(caplog):
     assert clock.report({}) == {}  # a run stopped before its final report has no first-step time
 
 
+def test_the_start_up_clock_starts_when_the_process_did():
+    """``process_start_time`` (what ``jobs/sft.py`` gives the start-up clock) is the process's start:
+    a fresh process that slept 1.5 s before asking is 1.5 s old and a little more, not seconds off
+    (psutil's create_time was off by minutes on a VM whose wall clock had been stepped)."""
+    code = "import time; time.sleep(1.5); from zerolab.run import process_start_time; print(time.time() - process_start_time())"
+    age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout)
+    assert 1.5 <= age < 6, age
+
+
 def test_the_jobs_driver_code_leaves_the_training_stack_to_import_while_ray_starts():
     """``zerolab.run`` imports none of the training stack: a job imports it on a second thread while
     Ray starts (``cluster.job_imports``); one that imported it up front pays both one after the other."""

@@ -217,6 +217,21 @@ def plan_job(cfg: SFTConfig, *, force: bool = False, clock: StartupClock | None 
                    launch or resolve_launch(cfg))
 
 
+def process_start_time() -> float:
+    """When this process started, on the wall clock: now less the process's age, read on the
+    kernel's boot clock (``/proc``), which steps of the wall clock (NTP, a resumed VM) do not move.
+    psutil's ``create_time`` adds the boot time in whole wall-clock seconds as recorded at boot: off
+    by up to a second, and by every step since (minutes, seen on a VM)."""
+    try:
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        started_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        return time.time() - (uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):  # not Linux
+        import psutil
+
+        return psutil.Process().create_time()
+
+
 class StartupClock:
     """The driver's start-up phases, from launch to the workers' first optimizer step: logged as
     one line and as ``perf/startup_s`` (with the step's time, ``perf/first_step_unix``, and the
