@@ -210,6 +210,18 @@ def test_zero3_memory_efficient_linear_keeps_frozen_projection_inputs(tmp_path):
     assert on.device_reserved / on.device_peak == pytest.approx(memory.DEFAULT_CALIBRATION.reserved_factor_zero3, rel=1e-6)
 
 
+def test_a_job_without_ray_needs_no_ray_services_on_its_node():
+    """A job that trains in its own process with no Ray on the machine (``cluster.needs_ray``) needs
+    its one process on the node, not Ray's services besides; the preflight checks it so
+    (``run.check_memory``), and a 7B LoRA that a 3 GiB Ray term would refuse on a tight host fits."""
+    cfg = gpu_cfg("deepspeed.stage=2", "deepspeed.offload_optimizer=true")
+    with_ray, alone = memory.estimate(cfg, QWEN25_7B), memory.estimate(cfg, QWEN25_7B, calibration=memory.without_ray())
+    assert alone.host_node == {} and alone.host_total() == alone.host_workers() == with_ray.host_workers()
+    assert with_ray.host_total() - alone.host_total() == memory.DEFAULT_CALIBRATION.host_ray_node_bytes
+    tight = Limits(gpu_mem_bytes=80 * GIB, gpus_per_node=1, host_mem_bytes=alone.host_total() + GIB)
+    assert alone.fits(tight).fits and not with_ray.fits(tight).fits
+
+
 def test_offload_moves_optimizer_and_parameters_to_host():
     base = memory.estimate(gpu_cfg("deepspeed.stage=2", workers=2), QWEN25_7B)
     off = memory.estimate(gpu_cfg("deepspeed.stage=2", "deepspeed.offload_optimizer=true", workers=2), QWEN25_7B)

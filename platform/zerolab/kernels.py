@@ -164,11 +164,12 @@ def liger_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
 
 
-def use_liger(kernels: str, *, use_gpu: bool, compiled: bool = False) -> bool:
-    """Whether Liger's RMSNorm, SwiGLU and RoPE kernels will be applied (what the memory estimate
-    needs to know): on GPU, with ``model.kernels`` ``liger``, or ``auto`` where the package is installed;
-    never in compiled decoder layers (``model.compile``), where Inductor generates those kernels."""
-    if kernels == "none" or not use_gpu or compiled:
+def use_liger(kernels: str, *, use_gpu: bool) -> bool:
+    """Whether the norms and SwiGLU run fused (what the memory estimate needs to know): Liger's
+    kernels on GPU, with ``model.kernels`` ``liger``, or ``auto`` where the package is installed.
+    Compiled layers (``model.compile``) take Inductor's kernels instead, which keep as little: the
+    0.5B step allocated 16.31 GiB compiled against 16.16 GiB with Liger's (h100-18)."""
+    if kernels == "none" or not use_gpu:
         return False
     return kernels == "liger" or importlib.util.find_spec("liger_kernel") is not None
 

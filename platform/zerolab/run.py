@@ -505,13 +505,16 @@ def check_memory(cfg: SFTConfig, model_config: Any, *, force: bool = False, data
     prepared ``datasets`` the estimate takes the largest micro-batch the workers' shards will make
     (and the worst case by config is logged next to it); without, the worst case by config.
     ``force`` launches anyway, with a warning. Models the estimator does not know are let through."""
+    import ray
+
     from zerolab import memory
 
+    calibration = memory.DEFAULT_CALIBRATION if ray.is_initialized() else memory.without_ray()
     try:
         limits = cluster_limits(cfg)
         data = shard_lengths(datasets, cfg.world_size()) if datasets else None
         try:
-            est = memory.preflight(cfg, model_config, limits, data=data)
+            est = memory.preflight(cfg, model_config, limits, calibration=calibration, data=data)
         except memory.MemoryPreflightError as exc:
             if not force:
                 raise
@@ -522,7 +525,7 @@ def check_memory(cfg: SFTConfig, model_config: Any, *, force: bool = False, data
     except memory.MemoryEstimateError as exc:
         logger.warning("no memory estimate for this job, so no preflight check: %s", exc)
         return MemoryCheck(note=str(exc))
-    by_config = memory.worst_case_by_config(cfg, model_config, est, limits)
+    by_config = memory.worst_case_by_config(cfg, model_config, est, limits, calibration=calibration)
     logger.info("memory estimate: %s on %s (%s)%s", est.summary(limits), limits.describe(), est.batch.describe(),
                 f"; {by_config}" if by_config else "")
     return MemoryCheck(est, limits, by_config=by_config)
