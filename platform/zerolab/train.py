@@ -371,8 +371,10 @@ def _open_tracker(tracking: dict, start_step: int, params: dict[str, Any]) -> An
 
 def _stop_requested(flag: Any) -> bool:
     """The driver's stop flag (``zerolab.run.StopSignal``): an Event in the job's own process, else an actor."""
-    if flag is None or isinstance(flag, threading.Event):
-        return flag is not None and flag.is_set()
+    if flag is None:
+        return False
+    if isinstance(flag, threading.Event):
+        return flag.is_set()
     import ray
 
     return ray.get(flag.get.remote())
