@@ -287,6 +287,17 @@ def test_credentials_in_a_data_uri_are_never_printed(tmp_path):
     assert "secretpass" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_gpu_job_in_its_own_process_refuses_another_deepspeed_accelerator(tmp_path):
+    """A one-GPU job trains in its own process, with the accelerator DeepSpeed takes from the
+    environment: an exported DS_ACCELERATOR=cpu is refused before anything loads (exit 2, one
+    paragraph), not met later as an NCCL error on a CPU tensor."""
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run(sft_command(tmp_path, **{"scaling.num_workers": 1, "scaling.use_gpu": "true"}),
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "scaling.use_gpu=true, but this process has DS_ACCELERATOR=cpu" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_bad_environment_messages(ray_cluster, tmp_path, tiny_model_path, monkeypatch):
     with pytest.raises(EnvironmentProblem, match="scaling.use_gpu=true but the Ray cluster has no GPUs"):
         run_sft(load_config(None, tiny_overrides(tmp_path, **{"scaling.use_gpu": "true"})))

@@ -329,8 +329,9 @@ class StopSignal:
     def __init__(self, log_every_n_steps: int, launch: str) -> None:
         self.log_every_n_steps = log_every_n_steps
         self._requested = False
-        self.flag: Any = threading.Event()
+        self.flag: Any
         if launch == "driver":
+            self.flag = threading.Event()
             return
         import ray
 
