@@ -83,6 +83,16 @@ def test_training_in_the_driver_needs_one_worker_and_no_retries():
     load_config(None, ["scaling.launch=auto", "scaling.num_workers=2", "run.max_failures=1"])  # auto picks the worker group
 
 
+def test_fp8_needs_frozen_unpartitioned_bf16_weights_on_a_gpu():
+    found = problems(["model.fp8=true", "adapter.method=full", "deepspeed.stage=3", "model.compile=true", "scaling.use_gpu=true",
+                      "train.precision=fp16"])
+    assert sum(p.startswith("model.fp8: ") for p in found) == 4, found
+    assert {w for w in ("adapter.method=full", "ZeRO-3", "train.precision=bf16", "model.compile") if any(w in p for p in found)} == {
+        "adapter.method=full", "ZeRO-3", "train.precision=bf16", "model.compile"}
+    assert any(p.startswith("model.fp8: needs a GPU") for p in problems(["model.fp8=true"]))
+    load_config(None, ["model.fp8=true", "scaling.use_gpu=true", "deepspeed.stage=2", "adapter.method=dora"])
+
+
 def test_missing_paths_and_custom_task():
     found = problems(["data.task=custom", "data.eval_path=/nonexistent/eval.jsonl"])
     assert any(p.startswith("data.train_path: required when data.task=custom") for p in found)

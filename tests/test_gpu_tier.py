@@ -62,6 +62,7 @@ CASES: dict[str, list[str]] = {
     # zerolab's validation allows AdaLoRA on ZeRO-0 in fp32 only (config.validate).
     "adalora-zero0-fp32": ["adapter.method=adalora", "deepspeed.stage=0", "train.precision=fp32", "adapter.r=4",
                            "adapter.adalora_init_r=8"],
+    "lora-zero2-fp8": ["deepspeed.stage=2", "model.fp8=true", "data.packing=true", "train.micro_batch_size=2"],
     "lora-zero2-packed-varlen": ["deepspeed.stage=2", "data.packing=true", "model.attn_implementation=varlen",
                                  "train.micro_batch_size=2"],
 }

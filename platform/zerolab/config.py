@@ -56,6 +56,8 @@ class ModelSpec:
     """Recompute activations in the backward pass: less memory, about a third more compute."""
     compile: bool = False
     """`torch.compile` each decoder layer (regional: the compiled graphs serve every layer; fewer, fused kernels); the first steps compile, and a graph that fails to compile runs eagerly with a warning saying why. Inductor then generates the norm, RoPE and SwiGLU kernels (Liger's fused loss stays). Meant for GPUs (0.5B on one H100: +2.4%, after ≈ 33 s of compiling; docs/benchmark.md); on CPU it is slower."""
+    fp8: bool = False
+    """Frozen base weights' matrix products (forward and input gradient) in FP8: e4m3 weights scaled per tensor, inputs and gradients per row, bf16 out; adapters, norms, attention and loss stay bf16. Costs one byte per frozen weight for the e4m3 copy. Needs an FP8 GPU (H100 class; elsewhere the products stay bf16, with the reason logged), bf16, ZeRO 0-2 and an adapter (not `full`); not with `compile`."""
     trust_remote_code: bool = False
     """Allow model code from the hub repository to run (only for models you trust)."""
 
@@ -404,6 +406,18 @@ def validate(cfg: SFTConfig) -> list[str]:
             p.append(f"adapter.method: adalora with deepspeed.stage={ds.stage} is not supported: AdaLoRA masks adapter weights in place from their gradients, which ZeRO 1-3 partition and keep in separate fp32 copies; set deepspeed.stage=0")
         if cfg.precision() != "fp32":
             p.append(f"adapter.method: adalora needs train.precision=fp32 (DeepSpeed's {cfg.precision()} optimizer keeps master weights that AdaLoRA's in-place rank masking cannot reach); set train.precision=fp32")
+
+    if m.fp8:
+        if a.method == "full":
+            p.append("model.fp8: FP8 products are for frozen base weights, and adapter.method=full trains them all; use an adapter (lora, dora, rslora, adalora) or model.fp8=false")
+        if ds.stage == 3:
+            p.append("model.fp8: ZeRO-3 partitions the frozen weights that the e4m3 copies are made from; use deepspeed.stage 0-2 or model.fp8=false")
+        if cfg.precision() != "bf16" and s.use_gpu:
+            p.append(f"model.fp8: needs train.precision=bf16 (got {cfg.precision()}); set train.precision=bf16 or model.fp8=false")
+        if m.compile:
+            p.append("model.fp8: not with model.compile (compiled layers take their own products); set one of them to false")
+        if not s.use_gpu:
+            p.append("model.fp8: needs a GPU with FP8 matrix units (H100 class); set scaling.use_gpu=true or model.fp8=false")
 
     if d.task == "custom" and not d.train_path:
         p.append("data.train_path: required when data.task=custom (there is no generator); give a JSON/JSONL/Parquet file")

@@ -29,6 +29,14 @@
   code. All layers run the same code, so one compiled graph (and one for a second, dynamic
   sequence length) serves all of them. Only ``forward`` is compiled: the hooks around the layer's
   call (DeepSpeed's ZeRO-3 gathers, gradient checkpointing) stay eager. Any device, any stage.
+- FP8 products of the frozen base weights (``model.fp8``, :func:`use_fp8`): every frozen linear
+  layer whose sizes are multiples of 16 keeps, beside its bf16 weight, an e4m3 copy with one scale
+  per tensor, made once on its device; the forward quantizes its input per row (one Triton pass on
+  GPUs) and multiplies in FP8 with ``torch._scaled_mm`` (rowwise scales, bf16 output); the backward
+  quantizes the output gradient per row the same way and multiplies by the weight's transpose in
+  FP8. The adapters, norms, attention and loss stay bf16: only the two products a frozen weight
+  takes part in change. The bf16 weight stays for everything else (DoRA's norms, merges, batches
+  whose row count is not a multiple of 16). H100-class GPUs (compute capability 8.9+), ZeRO 0-2.
 """
 
 from __future__ import annotations
@@ -269,7 +277,8 @@ def _lora_addmm_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -
     # then got no gradient at all).
     if not torch.compiler.is_compiling() and isinstance(self.lora_dropout[name], torch.nn.Identity) and not base.weight.requires_grad and (
             base.bias is None or not base.bias.requires_grad):
-        out = _LoRALinear.apply(flat, base.weight, base.bias, a_layer.weight, b_layer.weight, self.scaling[name])
+        out = _LoRALinear.apply(flat, base.weight, base.bias, a_layer.weight, b_layer.weight, self.scaling[name],
+                                _fp8_weight(base, flat))
     else:
         out = base(flat)
         out.addmm_(a_layer(self.lora_dropout[name](flat)), b_layer.weight.t(), alpha=self.scaling[name])
@@ -284,12 +293,15 @@ class _LoRALinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
-                lora_b: torch.Tensor, scale: float) -> torch.Tensor:
+                lora_b: torch.Tensor, scale: float, fp8: Fp8Weight | None = None) -> torch.Tensor:
         h = x @ lora_a.t()
-        out = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
+        if fp8 is not None:
+            out = fp8.product(x, bias)
+        else:
+            out = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
         out.addmm_(h, lora_b.t(), alpha=scale)
         ctx.save_for_backward(x, weight, lora_a, lora_b, h)
-        ctx.scale = scale
+        ctx.scale, ctx.fp8 = scale, fp8
         return out
 
     @staticmethod
@@ -298,11 +310,187 @@ class _LoRALinear(torch.autograd.Function):
         grad_h = (grad @ lora_b).mul_(ctx.scale)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = grad @ weight
+            grad_x = ctx.fp8.input_grad(grad) if ctx.fp8 is not None else grad @ weight
             grad_x.addmm_(grad_h, lora_a)
         grad_a = grad_h.t() @ x if ctx.needs_input_grad[3] else None
         grad_b = (grad.t() @ h).mul_(ctx.scale) if ctx.needs_input_grad[4] else None
-        return grad_x, None, None, grad_a, grad_b, None
+        return grad_x, None, None, grad_a, grad_b, None, None
+
+
+# --- FP8 base products ----------------------------------------------------------------------------
+
+E4M3_MAX = 448.0
+"""The largest finite ``float8_e4m3fn`` value: scales map each row's (or tensor's) absolute maximum to it."""
+
+
+def fp8_unavailable_reason(device: torch.device | None = None) -> str | None:
+    """None when FP8 products run correctly on ``device`` (default: the current CUDA device); else why not."""
+    if not torch.cuda.is_available() or (device is not None and device.type != "cuda"):
+        return "no CUDA device"
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        return f"{name} has no FP8 matrix units (compute capability {'.'.join(map(str, torch.cuda.get_device_capability(device)))} < 8.9)"
+    return _fp8_self_check(str(device))
+
+
+@functools.lru_cache(maxsize=4)
+def _fp8_self_check(device: str) -> str | None:
+    """A frozen 48×64 layer's forward and input gradient in FP8 against float32, 32 rows."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    layer = torch.nn.Linear(64, 48, device=device, dtype=torch.bfloat16).requires_grad_(False)
+    x = torch.randn(32, 64, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
+    grad = torch.randn(32, 48, device=device, dtype=torch.bfloat16, generator=gen)
+    try:
+        out = _Fp8Linear.apply(x, Fp8Weight(layer.weight), layer.bias)
+        out.backward(grad)
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        return f"FP8 products failed their self-check ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+    ref_x = x.detach().float().requires_grad_()
+    ref = F.linear(ref_x, layer.weight.float(), layer.bias.float())
+    ref.backward(grad.float())
+    err_out = (out.float() - ref).norm() / ref.norm()
+    err_grad = (x.grad.float() - ref_x.grad).norm() / ref_x.grad.norm()
+    if not (err_out < 0.1 and err_grad < 0.1):  # e4m3 keeps 3 mantissa bits: 2-4% lands here
+        return f"FP8 products disagree with bf16 (relative error {err_out:.1e} forward, {err_grad:.1e} input gradient)"
+    return None
+
+
+class Fp8Weight:
+    """A frozen weight (out×in) in e4m3 with one scale for the whole tensor, so that its transpose
+    (the backward's operand) shares it. Made once per device from the bf16 weight."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        with torch.no_grad():
+            amax = weight.abs().amax().float().clamp_(min=1e-12)
+            self.scale = amax / E4M3_MAX  # dequantization multiplier: weight ≈ data · scale
+            self.data = (weight.float() / self.scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        out_features, in_features = weight.shape
+        # _scaled_mm's rowwise mode takes a scale per output column of each product.
+        self._scale_out = self.scale.expand(1, out_features).contiguous()
+        self._scale_in = self.scale.expand(1, in_features).contiguous()
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x·Wᵀ + b`` for ``x`` (rows × in), in x's dtype."""
+        xq, x_scale = quantize_rows(x)
+        return torch._scaled_mm(xq, self.data.t(), scale_a=x_scale, scale_b=self._scale_out, bias=bias,
+                                out_dtype=x.dtype, use_fast_accum=True)
+
+    def input_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad·W`` for ``grad`` (rows × out): the input gradient. The second operand must be
+        column-major, so the e4m3 weight is transposed here (one byte per weight, per call)."""
+        gq, g_scale = quantize_rows(grad)
+        return torch._scaled_mm(gq, self.data.t().contiguous().t(), scale_a=g_scale, scale_b=self._scale_in,
+                                out_dtype=grad.dtype)
+
+
+def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` (rows × cols) in e4m3 with one float32 scale per row (rows × 1), the dequantization
+    multiplier: ``t ≈ q · scale``. One Triton pass per row on GPUs; torch operations elsewhere."""
+    t = t.contiguous()
+    if t.is_cuda and _triton_rows_kernel() is not None:
+        q = torch.empty_like(t, dtype=torch.float8_e4m3fn)
+        scale = torch.empty(t.shape[0], 1, device=t.device, dtype=torch.float32)
+        if t.shape[0]:
+            _triton_rows_kernel()[(t.shape[0],)](t, q, scale, t.shape[1], BLOCK=1024, num_warps=4)
+        return q, scale
+    amax = torch.linalg.vector_norm(t, ord=float("inf"), dim=1, keepdim=True).float().clamp_(min=1e-12)
+    scale = amax / E4M3_MAX
+    return (t.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+@functools.cache
+def _triton_rows_kernel() -> Any:
+    """The rowwise e4m3 quantization kernel (None without Triton): each program reads its row
+    twice, for the absolute maximum and then to scale and cast it, and writes the row's scale."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def _rows_to_e4m3(x_ptr, q_ptr, scale_ptr, cols, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        x_row, q_row = x_ptr + row * cols, q_ptr + row * cols
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, cols, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            v = tl.load(x_row + offs, mask=offs < cols, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(v))
+        scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
+        tl.store(scale_ptr + row, scale)
+        for start in range(0, cols, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            v = tl.load(x_row + offs, mask=offs < cols, other=0.0).to(tl.float32) / scale
+            v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+            tl.store(q_row + offs, v.to(tl.float8e4nv), mask=offs < cols)
+
+    return _rows_to_e4m3
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """A frozen linear layer's ``x·Wᵀ + b`` with both of its products (forward, input gradient) in FP8."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fp8: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.fp8 = fp8
+        return fp8.product(x, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        return (ctx.fp8.input_grad(grad.contiguous()) if ctx.needs_input_grad[0] else None), None, None
+
+
+def _fp8_weight(layer: torch.nn.Module, flat: torch.Tensor) -> Fp8Weight | None:
+    """``layer``'s e4m3 weight for a product with ``flat`` (made on first use on the weight's
+    device), or None where the product stays bf16: FP8 not enabled on the layer, a trainable
+    weight or bias, another dtype, or a row count that is no multiple of 16."""
+    if not getattr(layer, "zerolab_fp8", False):
+        return None
+    weight, bias = layer.weight, layer.bias
+    if (weight.requires_grad or (bias is not None and bias.requires_grad) or flat.dtype != weight.dtype
+            or flat.shape[0] % 16 or flat.device != weight.device):
+        return None
+    cached = layer.__dict__.get("_fp8_weight")
+    if cached is None or cached.device != weight.device:
+        cached = layer.__dict__["_fp8_weight"] = Fp8Weight(weight)
+    return cached
+
+
+def _fp8_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1])
+    fp8 = _fp8_weight(self, flat)
+    if fp8 is None:
+        return F.linear(x, self.weight, self.bias)
+    out = _Fp8Linear.apply(flat, fp8, self.bias)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def fp8_layers(model: torch.nn.Module) -> int:
+    """Give every frozen ``nn.Linear`` of ``model`` whose sizes are multiples of 16 (except the
+    output head, whose product the fused loss makes) FP8 products; returns how many. Call after
+    the adapter is applied (peft's LoRA layers then call their base layer, which is one of them)
+    and :func:`fuse_lora`; the e4m3 copies are made on each layer's first forward, on its device."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    count = 0
+    for module in model.modules():
+        if (type(module) is torch.nn.Linear and module is not head and not module.weight.requires_grad
+                and module.in_features % 16 == 0 and module.out_features % 16 == 0):
+            module.zerolab_fp8 = True
+            module.forward = types.MethodType(_fp8_linear_forward, module)
+            count += 1
+    return count
+
+
+def use_fp8(model: torch.nn.Module, device: torch.device) -> tuple[int, str | None]:
+    """FP8 base products on ``model`` where ``device`` runs them: (layers, None), or (0, why not)."""
+    reason = fp8_unavailable_reason(device)
+    return (0, reason) if reason else (fp8_layers(model), None)
 
 
 # --- regional compilation ------------------------------------------------------------------------
@@ -328,5 +516,6 @@ def compile_layers(layers: list[torch.nn.Module], backend: Any = "inductor") -> 
     return len(layers)
 
 
-__all__ = ["CU_SEQLENS_KEY", "VARLEN_ATTENTION", "apply_liger", "compile_layers", "fuse_lora", "liger_available", "packed_cu_seqlens", "resolve_attention",
-           "use_fused_loss", "use_liger", "varlen_attention_forward", "varlen_unavailable_reason"]
+__all__ = ["CU_SEQLENS_KEY", "E4M3_MAX", "VARLEN_ATTENTION", "Fp8Weight", "apply_liger", "compile_layers", "fp8_layers",
+           "fp8_unavailable_reason", "fuse_lora", "liger_available", "packed_cu_seqlens", "quantize_rows", "resolve_attention",
+           "use_fp8", "use_fused_loss", "use_liger", "varlen_attention_forward", "varlen_unavailable_reason"]

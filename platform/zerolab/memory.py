@@ -877,6 +877,9 @@ class _Estimator:
         head_trains = not self.peft or "lm_head" in target_projections(cfg.adapter)[0]
         self.liger = use_liger(cfg.model.kernels, use_gpu=self.gpu)
         self.fused_loss = use_fused_loss(cfg.model.kernels, use_gpu=self.gpu, head_trains=head_trains)
+        # e4m3 copies of the projections whose sizes are multiples of 16 (zerolab.kernels.fp8_layers).
+        self.fp8_shapes = [(i, o) for i, o in shape.linear_shapes().values() if i % 16 == 0 and o % 16 == 0] \
+            if cfg.model.fp8 and self.gpu and self.peft and self.stage < 3 else []
         self.P = sum(p.total for p in inventory)
         self.T = sum(p.total for p in inventory if p.trainable)
 
@@ -905,6 +908,17 @@ class _Estimator:
             elif not self.offload_param:
                 total += self._part(p.numel) * p.count * self.e
         return total
+
+    def fp8_weights(self) -> int:
+        """``model.fp8``: the e4m3 copy of every frozen projection, one byte per weight, beside the bf16 one."""
+        return self.shape.num_layers * sum(i * o for i, o in self.fp8_shapes)
+
+    def fp8_transient(self) -> int:
+        """``model.fp8``, during a product: the input's (or gradient's) e4m3 copy, B·S·max(in, out)
+        bytes, and in the backward the transposed e4m3 weight, in·out bytes (the largest projection's)."""
+        if not self.fp8_shapes:
+            return 0
+        return self.tokens * max(max(i, o) for i, o in self.fp8_shapes) + max(i * o for i, o in self.fp8_shapes)
 
     def gathered(self) -> int:
         """ZeRO-3 at the start of the backward pass: parameters gathered whole and still held.
@@ -1205,7 +1219,7 @@ class _Estimator:
         logits = 0 if self.fused_loss else self.e * self.shape.vocab_size * self.tokens
         saved, recompute = self.activations(), self.recomputed_layer()
         c = {
-            "weights": self.weights(),
+            "weights": self.weights() + self.fp8_weights(),
             # The most gathered at once: at the start of the backward pass or of the forward pass.
             "gathered parameters": max(self.gathered(), self.gathered_at_start()),
             "gradients": self.gradients(),
@@ -1221,7 +1235,7 @@ class _Estimator:
         held_grads = c["gradients"] if self.stage == 3 or self.cfg.train.grad_accum_steps > 1 else 0
         # The loss region comes at the end of the forward pass; a recomputed layer (checkpointing) and
         # DoRA's weight-norm temporaries come while every saved activation is alive, but not with it.
-        peak_activity = max(self.logits_and_loss(), recompute + logits, self.dora_transient())
+        peak_activity = max(self.logits_and_loss(), recompute + logits + self.fp8_transient(), self.dora_transient())
         phases = {
             "init": persistent - c["optimizer states"] + (self.T * self.e if self.stage in (1, 2) else 0),
             "forward/backward": persistent + held_grads + self.gathered() + saved + peak_activity,

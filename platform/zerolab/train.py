@@ -299,7 +299,7 @@ def _train(config: dict, place: RayWorker | InDriver, started: float) -> None:
                 if rank == 0 and config.get("tracking"):
                     tracker = _open_tracker(config["tracking"], start_step,
                                             {"derived.trainable_params": trainable, "derived.total_params": total,
-                                             "derived.total_steps": total_steps})
+                                             "derived.total_steps": total_steps, "derived.fp8_layers": _fp8_layers(engine.module)})
             window[0] += loss
             window[1] += sum(b.num_tokens for b in micro)
             window_steps += 1
@@ -403,6 +403,10 @@ def _total_steps(cfg: SFTConfig, batches_per_epoch: int, device: torch.device) -
     return max(1, cfg.train.num_epochs * (int(n.item()) // cfg.train.grad_accum_steps))
 
 
+def _fp8_layers(model: torch.nn.Module) -> int:
+    return sum(getattr(m, "zerolab_fp8", False) for m in model.modules())
+
+
 def _build_model(cfg: SFTConfig, ds_config: dict, total_steps: int, device: torch.device | None = None) -> torch.nn.Module:
     """The model with its adapter. Under ZeRO 0-2 it goes to ``device`` (where
     ``deepspeed.initialize`` would move it) as it loads (``zerolab.models.load_model``), before peft
@@ -432,6 +436,9 @@ def _build_model(cfg: SFTConfig, ds_config: dict, total_steps: int, device: torc
     model = adapters.apply_adapter(model, cfg.adapter, total_steps)
     if cfg.model.kernels != "none":
         kernels.fuse_lora(model)
+    if cfg.model.fp8:
+        layers, reason = kernels.use_fp8(model, device)
+        log_rank0("FP8 base products: %s", f"{layers} frozen linear layers" if layers else f"off, {reason}")
     if cfg.model.compile:
         log_rank0("torch.compile: %d decoder layers (the first steps compile)", kernels.compile_layers(decoder_layers(model)))
     return model
