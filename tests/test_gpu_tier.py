@@ -62,7 +62,8 @@ CASES: dict[str, list[str]] = {
     # zerolab's validation allows AdaLoRA on ZeRO-0 in fp32 only (config.validate).
     "adalora-zero0-fp32": ["adapter.method=adalora", "deepspeed.stage=0", "train.precision=fp32", "adapter.r=4",
                            "adapter.adalora_init_r=8"],
-    "lora-zero2-fp8": ["deepspeed.stage=2", "model.fp8=true", "data.packing=true", "train.micro_batch_size=2"],
+    "lora-zero2-fp8": ["deepspeed.stage=2", "model.fp8=true", "model.fp8_min_features=16", "data.packing=true",
+                       "train.micro_batch_size=2"],
     "lora-zero2-packed-varlen": ["deepspeed.stage=2", "data.packing=true", "model.attn_implementation=varlen",
                                  "train.micro_batch_size=2"],
 }
@@ -172,6 +173,7 @@ def check_case(tmp_path: Path, model_path: str, overrides: list[str], num_worker
     run = client.get_run(result.run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["derived.world_size"] == str(num_workers)
+    assert (int(run.data.params["derived.fp8_layers"]) > 0) == cfg.model.fp8
     assert run.data.params["derived.precision"] == cfg.precision() == ("fp32" if cfg.adapter.method == "adalora" or not use_gpu else "bf16")
     losses = [m.value for m in sorted(client.get_metric_history(result.run_id, "train/loss"), key=lambda m: m.step)]
     assert len(losses) == STEPS // cfg.train.log_every_n_steps and all(map(math.isfinite, losses)), losses

@@ -222,12 +222,12 @@ def test_a_job_without_ray_needs_no_ray_services_on_its_node():
     assert alone.fits(tight).fits and not with_ray.fits(tight).fits
 
 
-def test_fp8_adds_a_byte_per_frozen_projection_weight_and_its_transients():
-    """``model.fp8``: the e4m3 copies of the 7B's 28 × 7 projections (6.5e9 weights) beside the
-    bf16 ones, in every phase."""
+def test_fp8_adds_two_bytes_per_frozen_projection_weight():
+    """``model.fp8``: the e4m3 copies (and their transposes) of the 7B's FP8 projections beside
+    the bf16 ones, in every phase; k and v (512 outputs) stay bf16."""
     plain, fp8 = (memory.estimate(gpu_cfg("deepspeed.stage=2", *extra), QWEN25_7B) for extra in ((), ("model.fp8=true",)))
-    h, i, kv = 3584, 18944, 512
-    per_layer = h * h + 2 * h * kv + h * h + 3 * h * i
+    h, i = 3584, 18944
+    per_layer = 2 * (2 * h * h + 3 * h * i)
     assert fp8.device["weights"] - plain.device["weights"] == 28 * per_layer
     assert all(fp8.device_phases[k] - plain.device_phases[k] >= 28 * per_layer for k in plain.device_phases)
 

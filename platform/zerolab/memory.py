@@ -872,13 +872,13 @@ class _Estimator:
         self.seq_len = self.batch.micro_batch.seq_len
         # varlen attention runs on GPUs only; elsewhere the model loads with sdpa (zerolab.kernels).
         self.attn = "sdpa" if cfg.model.attn_implementation == "varlen" and not self.gpu else cfg.model.attn_implementation
-        from zerolab.kernels import use_fused_loss, use_liger
+        from zerolab.kernels import fp8_eligible, use_fused_loss, use_liger
 
         head_trains = not self.peft or "lm_head" in target_projections(cfg.adapter)[0]
         self.liger = use_liger(cfg.model.kernels, use_gpu=self.gpu)
         self.fused_loss = use_fused_loss(cfg.model.kernels, use_gpu=self.gpu, head_trains=head_trains)
-        # e4m3 copies of the projections whose sizes are multiples of 16 (zerolab.kernels.fp8_layers).
-        self.fp8_shapes = [(i, o) for i, o in shape.linear_shapes().values() if i % 16 == 0 and o % 16 == 0] \
+        # The projections that keep e4m3 copies (zerolab.kernels.fp8_layers).
+        self.fp8_shapes = [(i, o) for i, o in shape.linear_shapes().values() if fp8_eligible(i, o, cfg.model.fp8_min_features)] \
             if cfg.model.fp8 and self.gpu and self.peft and self.stage < 3 else []
         self.P = sum(p.total for p in inventory)
         self.T = sum(p.total for p in inventory if p.trainable)
@@ -910,15 +910,13 @@ class _Estimator:
         return total
 
     def fp8_weights(self) -> int:
-        """``model.fp8``: the e4m3 copy of every frozen projection, one byte per weight, beside the bf16 one."""
-        return self.shape.num_layers * sum(i * o for i, o in self.fp8_shapes)
+        """``model.fp8``: the e4m3 copy of every FP8 projection and its transpose, two bytes per
+        weight, beside the bf16 one."""
+        return 2 * self.shape.num_layers * sum(i * o for i, o in self.fp8_shapes)
 
     def fp8_transient(self) -> int:
-        """``model.fp8``, during a product: the input's (or gradient's) e4m3 copy, B·S·max(in, out)
-        bytes, and in the backward the transposed e4m3 weight, in·out bytes (the largest projection's)."""
-        if not self.fp8_shapes:
-            return 0
-        return self.tokens * max(max(i, o) for i, o in self.fp8_shapes) + max(i * o for i, o in self.fp8_shapes)
+        """``model.fp8``, during a product: the input's (or gradient's) e4m3 copy, B·S·max(in, out) bytes."""
+        return self.tokens * max((max(i, o) for i, o in self.fp8_shapes), default=0)
 
     def gathered(self) -> int:
         """ZeRO-3 at the start of the backward pass: parameters gathered whole and still held.

@@ -437,7 +437,7 @@ def _build_model(cfg: SFTConfig, ds_config: dict, total_steps: int, device: torc
     if cfg.model.kernels != "none":
         kernels.fuse_lora(model)
     if cfg.model.fp8:
-        layers, reason = kernels.use_fp8(model, device)
+        layers, reason = kernels.use_fp8(model, device, cfg.model.fp8_min_features)
         log_rank0("FP8 base products: %s", f"{layers} frozen linear layers" if layers else f"off, {reason}")
     if cfg.model.compile:
         log_rank0("torch.compile: %d decoder layers (the first steps compile)", kernels.compile_layers(decoder_layers(model)))
