@@ -388,7 +388,7 @@ def _adapted(spec: ModelSpec, method: str, device: str, *, fp8: bool) -> torch.n
             if "lora_B" in name:
                 p.normal_(std=0.05)
     kernels.fuse_lora(model)
-    if fp8:  # every projection: the test models's are narrower than model.fp8_min_features
+    if fp8:  # every projection: the test models' are narrower than model.fp8_min_features
         if device == "cuda":
             assert kernels.fp8_unavailable_reason(torch.device(device)) is None
         assert kernels.fp8_layers(model, min_features=16) == 7 * model.config.num_hidden_layers
