@@ -403,19 +403,12 @@ def test_fp8_base_products_track_the_bf16_loss_and_gradients(request, device, me
     equal to them (the FP8 products ran). LoRA takes the fused node's FP8 products, DoRA peft's
     forward through the base layer's."""
     spec, _ = model_for(request, device)
-    inputs = _random_batch(2, 48, device)  # 96 rows of tokens: a multiple of 16
+    inputs = _random_batch(3, 31, device)  # 93 rows of tokens
     (loss, grads), (ref_loss, ref_grads) = (loss_and_grads(_adapted(spec, method, device, fp8=fp8), inputs) for fp8 in (True, False))
     assert grads.keys() == ref_grads.keys() and grads
     flat, ref_flat = torch.cat([g.flatten() for g in grads.values()]), torch.cat([g.flatten() for g in ref_grads.values()])
     assert 0 < abs(loss - ref_loss) / ref_loss < 2e-2, (loss, ref_loss)
     assert 0 < (flat - ref_flat).norm() / ref_flat.norm() < 0.1
-
-
-def test_fp8_leaves_a_batch_whose_rows_are_no_multiple_of_16_in_bf16(tiny_model_path):
-    inputs = _random_batch(1, 45, "cpu")
-    fp8, plain = (loss_and_grads(_adapted(ModelSpec(), "lora", "cpu", fp8=f), inputs) for f in (True, False))
-    assert fp8[0] == plain[0]
-    assert all(torch.equal(fp8[1][n], plain[1][n]) for n in plain[1])
 
 
 @pytest.mark.parametrize("device", DEVICES)

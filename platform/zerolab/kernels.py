@@ -36,8 +36,7 @@
   with ``torch._scaled_mm`` (rowwise scales, bf16 output); the backward quantizes the output
   gradient the same way and multiplies it by the transpose. The adapters, norms, attention and
   loss stay bf16: only the two products a frozen weight takes part in change. The bf16 weight
-  stays for everything else (DoRA's norms, merges, batches whose row count is not a multiple of
-  16). H100-class GPUs (compute capability 8.9+), ZeRO 0-2.
+  stays for everything else (DoRA's norms, merges). H100-class GPUs (compute capability 8.9+), ZeRO 0-2.
 """
 
 from __future__ import annotations
@@ -337,11 +336,12 @@ def fp8_unavailable_reason(device: torch.device | None = None) -> str | None:
 
 @functools.lru_cache(maxsize=4)
 def _fp8_self_check(device: str) -> str | None:
-    """A frozen 48×64 layer's forward and input gradient in FP8 against float32, 32 rows."""
+    """A frozen 48×64 layer's forward and input gradient in FP8 against float32, with a row count
+    (37) that is no multiple of 16, as packed rows and padded batches have."""
     gen = torch.Generator(device=device).manual_seed(0)
     layer = torch.nn.Linear(64, 48, device=device, dtype=torch.bfloat16).requires_grad_(False)
-    x = torch.randn(32, 64, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
-    grad = torch.randn(32, 48, device=device, dtype=torch.bfloat16, generator=gen)
+    x = torch.randn(37, 64, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
+    grad = torch.randn(37, 48, device=device, dtype=torch.bfloat16, generator=gen)
     try:
         out = _Fp8Linear.apply(x, Fp8Weight(layer.weight), layer.bias)
         out.backward(grad)
@@ -451,12 +451,12 @@ class _Fp8Linear(torch.autograd.Function):
 def _fp8_weight(layer: torch.nn.Module, flat: torch.Tensor) -> Fp8Weight | None:
     """``layer``'s e4m3 weight for a product with ``flat`` (made on first use on the weight's
     device), or None where the product stays bf16: FP8 not enabled on the layer, a trainable
-    weight or bias, another dtype, or a row count that is no multiple of 16."""
+    weight or bias, or another dtype or device."""
     if not getattr(layer, "zerolab_fp8", False):
         return None
     weight, bias = layer.weight, layer.bias
     if (weight.requires_grad or (bias is not None and bias.requires_grad) or flat.dtype != weight.dtype
-            or flat.shape[0] % 16 or flat.device != weight.device):
+            or flat.device != weight.device):
         return None
     cached = layer.__dict__.get("_fp8_weight")
     if cached is None or cached.device != weight.device:
