@@ -169,6 +169,8 @@ class ScalingSpec:
     """How Ray places the workers: PACK fills nodes (fast NVLink/shm), SPREAD spreads them over nodes."""
     launch: Literal["auto", "workers", "driver"] = "auto"
     """Where training runs: `workers`, Ray Train's worker group (a process per worker, placed by Ray, retried with `run.max_failures`); `driver`, the job's own process as the one worker (Ray Train's local mode: no worker group to start, 15-30 s less before the first step; needs `num_workers` 1 and `run.max_failures` 0); `auto`, `driver` where it can run and owns its resources (a machine of its own with no `RAY_ADDRESS`, where the job then starts no Ray at all; a Tune trial's reserved CPUs/GPU; a job submitted with `ray job submit --entrypoint-num-gpus 1` or, on CPUs, `--entrypoint-num-cpus`), else `workers`."""
+    keep_warm_s: float = 0.0
+    """On a running cluster (`RAY_ADDRESS`, as `ray job submit` sets), a one-worker job trains in a warm trainer on its node: a process that imported the training stack once and stays up this many seconds after each job, so the next job submitted there starts without those imports (the job's own process imports none of them). Submit without entrypoint resources (the trainer holds the GPU). 0: off."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -391,6 +393,9 @@ def validate(cfg: SFTConfig) -> list[str]:
     positive("scaling.num_workers", s.num_workers)
     positive("scaling.cpus_per_worker", s.cpus_per_worker)
     positive("run.max_failures", r.max_failures, zero_ok=True)
+    positive("scaling.keep_warm_s", s.keep_warm_s, zero_ok=True)
+    if s.keep_warm_s and not (s.num_workers == 1 and s.launch != "workers" and not r.max_failures):
+        p.append("scaling.keep_warm_s: a warm trainer runs one-worker jobs (scaling.num_workers=1, run.max_failures=0, scaling.launch auto or driver); set those or scaling.keep_warm_s=0")
     if s.launch == "driver":
         if s.num_workers != 1:
             p.append(f"scaling.launch: driver trains in the job's own process, one worker, but scaling.num_workers={s.num_workers}; set scaling.num_workers=1 or scaling.launch=workers")

@@ -80,6 +80,11 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
     start time) starts the start-up clock and ``run.max_wall_time_s``; by default, the call.
     ``shared_data``: the splits a sweep prepared once for its trials (:func:`prepare_data`).
     """
+    from zerolab import warm
+
+    if warm.wanted(cfg):
+        return warm.run_sft_warm(cfg, config_file=config_file, restart=restart, force=force, parent_run_id=parent_run_id,
+                                 in_tune=in_tune, launched=launched or time.time())
     clock = StartupClock(launched)
     cfg = with_run_name(cfg)
     storage = storage_path(cfg)
@@ -311,6 +316,13 @@ class Interrupted(RuntimeError):
         super().__init__(message)
         self.run_name = run_name
 
+    def __reduce__(self) -> tuple:  # raised in a warm trainer (zerolab.warm) and re-raised by its job
+        return _rebuild_interrupted, (type(self), str(self), self.run_name)
+
+
+def _rebuild_interrupted(cls: type[Interrupted], message: str, run_name: str | None) -> Interrupted:
+    return cls(message, run_name=run_name)
+
 
 class DeadlineReached(Interrupted):
     """The run stopped at ``run.max_wall_time_s`` after saving a checkpoint."""
@@ -353,14 +365,18 @@ class StopSignal:
     def _handle(self, signum: int, frame: Any) -> None:
         if self._requested:
             raise KeyboardInterrupt
+        self.request(f"{signal.Signals(signum).name} received")
+
+    def request(self, why: str) -> None:
+        """Ask the workers to checkpoint and stop at the next logging step."""
         self._requested = True
         if isinstance(self.flag, threading.Event):
             self.flag.set()
         else:
             self.flag.set.remote()
-        logger.warning("%s received: the workers will save a checkpoint and stop at the next logging step (within "
+        logger.warning("%s: the workers will save a checkpoint and stop at the next logging step (within "
                        "train.log_every_n_steps=%d steps); send it again to abort without a checkpoint",
-                       signal.Signals(signum).name, self.log_every_n_steps)
+                       why, self.log_every_n_steps)
 
     @staticmethod
     def fit(trainer: Any) -> Any:
@@ -387,15 +403,29 @@ class StopSignal:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield  # signal handlers can only be set from the main thread
-            return
-        previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        """The signal handlers (on the main thread: handlers can only be set there) and
+        :func:`request_stop`, while the run trains."""
+        main = threading.current_thread() is threading.main_thread()
+        previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+        _training.add(self)
         try:
             yield
         finally:
+            _training.discard(self)
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+
+_training: set[StopSignal] = set()
+"""The stop signals of the runs training in this process now."""
+
+
+def request_stop(why: str) -> bool:
+    """Stop the runs training in this process as a first SIGINT would (a warm trainer's job was
+    stopped: :mod:`zerolab.warm`); False when none is training."""
+    for stop in list(_training):
+        stop.request(why)
+    return bool(_training)
 
 
 def check_resources(cfg: SFTConfig, launch: str) -> None:

@@ -1,0 +1,269 @@
+"""A trainer process that outlives its job (``scaling.keep_warm_s``), so the next job starts in seconds.
+
+A job joins a running cluster as a new process (``ray job submit`` starts one), and a new process
+imports the training stack again: torch, transformers, peft and DeepSpeed took 16-22 s on the H100
+hosts, most of a job's time to its first step. With ``scaling.keep_warm_s`` a one-worker job on a
+cluster (``RAY_ADDRESS`` set) runs in a detached actor on its own node instead, the *warm
+trainer*, which imported the stack once and stays up for ``keep_warm_s`` after each job; the next
+job (same zerolab code, same kind of worker) finds it by name and hands it the config. The job's
+own process imports none of the stack: it relays the trainer's log lines, forwards a stop
+(SIGINT/SIGTERM: checkpoint at the next logging step; a second one aborts and ends the trainer)
+and returns the result. Everything else is the ordinary one-worker job (``run_sft`` in the
+trainer: plan, preflight, MLflow run, Ray Train's local mode, evaluation), run in the job's
+working directory and environment.
+
+One job at a time per trainer: a second job waits for the first. The trainer holds its GPU (or
+CPUs) while it waits for the next job; it exits after ``keep_warm_s`` idle, after a job that failed
+in a way that may leave the process unusable (anything but a user error or a stop), and when a job
+with other code or another kind of worker needs the node's trainer slot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+import queue
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import zerolab
+from zerolab.cluster import adopt_worker_env, connect_ray, import_now, job_imports, may_train_in_driver, worker_env
+from zerolab.config import SFTConfig
+from zerolab.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE = "zerolab"
+PREFIX = "zerolab-warm-trainer-"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(message)s"
+"""The jobs' own log format (``jobs/sft.py``): the trainer's lines read as the job's."""
+
+_NOT_PASSED = ("CUDA_VISIBLE_DEVICES", "PWD", "OLDPWD", "SHLVL", "_")
+"""Variables of the job's environment the trainer keeps its own of (Ray sets the devices)."""
+
+
+def wanted(cfg: SFTConfig) -> bool:
+    """Whether this job runs in a warm trainer: ``scaling.keep_warm_s`` set, one worker that may
+    train in a process of its own, a cluster to keep the trainer in (``RAY_ADDRESS``, not Ray
+    Client's ``ray://``), and this process not itself a Ray worker (a Tune trial, the trainer)."""
+    address = os.environ.get("RAY_ADDRESS", "")
+    if not (cfg.scaling.keep_warm_s > 0 and may_train_in_driver(cfg) and address and not address.startswith("ray://")):
+        return False
+    import ray
+
+    return not (ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE)
+
+
+def trainer_key(cfg: SFTConfig) -> str:
+    """What a warm trainer must share with a job to run it: zerolab's code (the trainer imported
+    its own copy), the worker environment and resources, the interpreter."""
+    digest = hashlib.sha256()
+    root = Path(zerolab.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    env = worker_env(cfg)
+    env.pop("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", None)
+    digest.update(repr((sorted(env.items()), cfg.scaling.use_gpu, cfg.scaling.cpus_per_worker, sys.executable)).encode())
+    return digest.hexdigest()[:16]
+
+
+def run_sft_warm(cfg: SFTConfig, **run_sft_kwargs: Any) -> Any:
+    """``run_sft(cfg, **run_sft_kwargs)`` in this node's warm trainer, started if there is none."""
+    import ray
+
+    # Joins RAY_ADDRESS and imports nothing of the training stack; the trainer's output comes
+    # through its `run` stream (Ray's forwarding would show a detached actor's to its first job).
+    connect_ray(cfg, log_to_driver=False)
+    trainer, reused = _trainer(cfg)
+    status = ray.get(trainer.status.remote())
+    logger.info("%s warm trainer (pid %d on this node; it stays up %g s after each job, scaling.keep_warm_s)",
+                "reusing the" if reused else "starting a", status["pid"], cfg.scaling.keep_warm_s)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k not in _NOT_PASSED}
+    stream = trainer.run.remote(cfg, run_sft_kwargs, os.getcwd(), env)
+    stops = 0
+
+    def on_signal(signum: int, frame: Any) -> None:
+        nonlocal stops
+        stops += 1
+        if stops > 1:
+            ray.kill(trainer)  # it may be anywhere in a step: the process goes, with what it held
+            raise KeyboardInterrupt
+        trainer.stop.remote(signal.Signals(signum).name)
+
+    handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} \
+        if threading.current_thread() is threading.main_thread() else {}
+    try:
+        for ref in stream:
+            kind, payload = ray.get(ref)
+            if kind == "log":
+                print(payload, file=sys.stderr, flush=True)
+            elif kind == "error":
+                raise payload
+            else:
+                return payload
+        raise RuntimeError("the warm trainer ended without a result")
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+
+
+def _trainer(cfg: SFTConfig) -> tuple[Any, bool]:
+    """This node's warm trainer for ``cfg`` (created when missing) and whether it existed. A
+    trainer of another key on this node is asked to leave once idle, which frees its resources."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    name = f"{PREFIX}{node[:12]}-{trainer_key(cfg)}"
+    for other in ray.util.list_named_actors(all_namespaces=True):
+        if other["namespace"] == NAMESPACE and other["name"].startswith(f"{PREFIX}{node[:12]}-") and other["name"] != name:
+            try:
+                ray.get(ray.get_actor(other["name"], namespace=NAMESPACE).retire.remote(), timeout=30)
+            except (ValueError, ray.exceptions.RayError, TimeoutError):
+                pass  # gone already, or busy with another job until it is done
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE), True
+    except ValueError:
+        pass
+    resources = {"num_gpus": 1, "num_cpus": cfg.scaling.cpus_per_worker} if cfg.scaling.use_gpu else {"num_cpus": cfg.scaling.cpus_per_worker}
+    actor = ray.remote(concurrency_groups={"run": 1, "control": 2})(WarmTrainer).options(
+        name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, max_restarts=0,
+        label_selector={"ray.io/node-id": node}, **resources,
+    ).remote(cfg, cfg.scaling.keep_warm_s)
+    return actor, False
+
+
+class WarmTrainer:
+    """The detached actor (:func:`run_sft_warm`): imports the training stack at its start, then
+    runs one job at a time (its ``run`` calls queue) and ends itself after ``keep_warm_s`` idle."""
+
+    def __init__(self, cfg: SFTConfig, keep_warm_s: float) -> None:
+        adopt_worker_env(cfg)
+        # zerolab's records go to the job that runs (a Ray worker's own handler would send them to
+        # the log of the job that started this actor only).
+        self.relay = _RelayHandler()
+        ours = logging.getLogger("zerolab")
+        ours.addHandler(self.relay)
+        ours.propagate = False
+        import_now(job_imports(cfg))
+        self.keep_warm_s = keep_warm_s
+        self.busy = False
+        self.leave = False
+        self.idle_since = time.monotonic()
+        self.jobs = 0
+        threading.Thread(target=self._watch, name="zerolab-warm-idle", daemon=True).start()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(0.5)
+            if not self.busy and (self.leave or time.monotonic() - self.idle_since > self.keep_warm_s):
+                logging.getLogger(__name__).info("warm trainer leaving after %d job(s)", self.jobs)
+                os._exit(0)
+
+    def status(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "busy": self.busy, "jobs": self.jobs}
+
+    def retire(self) -> None:
+        """Leave once idle (another job's code or worker kind needs this node's slot)."""
+        self.leave = True
+
+    def stop(self, why: str) -> bool:
+        from zerolab.run import request_stop
+
+        return request_stop(why)
+
+    def run(self, cfg: SFTConfig, kwargs: dict[str, Any], cwd: str, env: dict[str, str]) -> Iterator[tuple[str, Any]]:
+        """``run_sft`` on a thread, in the job's working directory and environment; yields
+        ("log", line) as the job's log records come, then ("result", RunResult) or ("error", exc)."""
+        from zerolab.cli import user_errors
+        from zerolab.run import Interrupted, run_sft
+
+        self.busy, self.keep_warm_s = True, cfg.scaling.keep_warm_s
+        self.jobs += 1
+        lines: queue.Queue[str] = queue.Queue()
+        self.relay.lines = lines
+        root = logging.getLogger()
+        level = root.level
+        root.addHandler(self.relay)  # the libraries' records as well, as the job's own process would show them
+        root.setLevel(logging.INFO)
+        saved_env, saved_cwd = dict(os.environ), os.getcwd()
+        os.environ.update(env)
+        os.chdir(cwd)
+        outcome: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                outcome["result"] = run_sft(cfg, **kwargs)
+            except BaseException as exc:  # handed to the job, which reports it as its own
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=target, name="zerolab-warm-job")
+        try:
+            thread.start()
+            while thread.is_alive() or not lines.empty():
+                try:
+                    yield "log", lines.get(timeout=0.2)
+                except queue.Empty:
+                    pass
+            if "error" in outcome:
+                exc = outcome["error"]
+                # A user error or a stop leaves the process as it was; anything else may not have.
+                self.leave = not isinstance(exc, (*user_errors(), Interrupted))
+                yield "error", _portable(exc)
+            else:
+                yield "result", outcome["result"]
+        finally:
+            root.removeHandler(self.relay)
+            root.setLevel(level)
+            self.relay.lines = None
+            os.chdir(saved_cwd)
+            os.environ.clear()
+            os.environ.update(saved_env)
+            _release_memory()
+            self.busy, self.idle_since = False, time.monotonic()
+
+
+class _RelayHandler(logging.Handler):
+    """Formats records into the running job's queue of lines; drops them between jobs."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: queue.Queue[str] | None = None
+        self.setFormatter(logging.Formatter(LOG_FORMAT, datefmt="%H:%M:%S"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        lines = self.lines
+        if lines is not None:
+            lines.put(self.format(record))
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling whole, else one that says the same in a class the job's
+    error handling knows (a user error, or a RuntimeError naming the original class)."""
+    try:
+        copy = pickle.loads(pickle.dumps(exc))
+        if type(copy) is type(exc) and str(copy) == str(exc) and vars(copy) == vars(exc):
+            return exc
+    except Exception:  # noqa: BLE001 (any failure to round-trip means: send a plain copy)
+        pass
+    message = str(exc)
+    return UserError(message) if isinstance(exc, UserError) else RuntimeError(f"{type(exc).__name__}: {message}")
+
+
+def _release_memory() -> None:
+    """Give back what the job left cached: the GPU's blocks (other processes may need them before
+    the next job) and Python's garbage."""
+    import gc
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+__all__ = ["NAMESPACE", "WarmTrainer", "run_sft_warm", "trainer_key", "wanted"]
