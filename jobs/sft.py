@@ -35,12 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     from zerolab.cluster import shutdown_ray
     from zerolab.config import load_config
     from zerolab.run import process_start_time, run_sft
+    from zerolab.warm import run_sft_warm, wanted
+
+    def job() -> object:
+        cfg = load_config(args.config, args.set)
+        launched = process_start_time() if argv is None else None
+        return (run_sft_warm if wanted(cfg) else run_sft)(cfg, config_file=args.config, restart=args.restart, force=args.force,
+                                                           launched=launched)
 
     try:
-        code, message = run_job(lambda: run_sft(load_config(args.config, args.set), config_file=args.config,
-                                                restart=args.restart, force=args.force,
-                                                launched=process_start_time() if argv is None else None),
-                                command=sys.argv if argv is None else ["jobs/sft.py", *argv])
+        code, message = run_job(job, command=sys.argv if argv is None else ["jobs/sft.py", *argv])
     finally:
         shutdown_ray()
     print(message, file=sys.stdout if code == 0 else sys.stderr)

@@ -334,3 +334,35 @@ def test_keys_added_by_a_later_zerolab_are_not_config_drift(tmp_path):
     changed = load_config(None, tiny_overrides(tmp_path, **{"run.name": "upgraded", "model.kernels": "none"}))
     with pytest.raises(CheckpointError, match=r"different training config \(model.kernels: 'auto' -> 'none'\)"):
         prepare_run_folder(changed, storage, restart=False)
+
+
+def test_jobs_on_a_cluster_share_a_warm_trainer_that_stops_on_ctrl_c_and_leaves_when_idle(tmp_path, tiny_model_path, ray_cluster):
+    """``scaling.keep_warm_s``: one-worker jobs joining a cluster train in one warm trainer (the
+    second job in the process the first one started), whose log each job prints as its own; Ctrl-C
+    in the job checkpoints the run at a logging step; the trainer leaves once idle for the last
+    job's ``keep_warm_s``."""
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    first = subprocess.run(sft_command(tmp_path, **{"run.name": "warm-1", "scaling.num_workers": 1, "scaling.keep_warm_s": 60,
+                                                    "train.max_steps": 4, "train.log_every_n_steps": 2}),
+                           env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    pid = re.search(r"starting a warm trainer \(pid (\d+)", first.stderr)[1]
+    assert "step 4/4" in first.stderr and "start-up: first optimizer step" in first.stderr
+
+    cmd = sft_command(tmp_path, **{"run.name": "warm-2", "scaling.num_workers": 1, "scaling.keep_warm_s": 2,
+                                   "train.max_steps": 400, "train.checkpoint_every_n_steps": 1000})
+    proc, output = interrupted_at(cmd, "step 10/400", env=env)
+    assert proc.returncode == 130, output[-3000:]
+    assert f"reusing the warm trainer (pid {pid} " in output
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (run,) = runs_named(uri, "tests", "warm-2")
+    assert run.info.status == "KILLED" and run.data.params["derived.launch"] == "driver"
+    stopped_at = int(latest_checkpoint(tmp_path / "runs" / "warm-2").rsplit("_", 1)[1])
+    assert 10 <= stopped_at < 400 and stopped_at % 5 == 0  # at a logging step
+
+    from zerolab.warm import NAMESPACE
+
+    deadline = time.monotonic() + 30
+    while any(a["namespace"] == NAMESPACE for a in ray_cluster.util.list_named_actors(all_namespaces=True)):
+        assert time.monotonic() < deadline, "the warm trainer did not leave after its keep_warm_s"
+        time.sleep(0.5)

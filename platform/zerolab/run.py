@@ -59,7 +59,7 @@ class RunResult:
 
 def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: bool = False, force: bool = False,
             parent_run_id: str | None = None, in_tune: bool = False, launched: float | None = None,
-            shared_data: dict[str, PreparedSplit] | None = None) -> RunResult:
+            shared_data: dict[str, PreparedSplit] | None = None, stop_flag: Any = None) -> RunResult:
     """Run one SFT job end to end and return where its results are.
 
     A run is its run folder (``run.storage_path/run.name``) plus its MLflow run, each recording the
@@ -79,12 +79,8 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
     trial, and the MLflow run is a child of ``parent_run_id``. ``launched`` (the job process's
     start time) starts the start-up clock and ``run.max_wall_time_s``; by default, the call.
     ``shared_data``: the splits a sweep prepared once for its trials (:func:`prepare_data`).
+    ``stop_flag``: a :class:`StopFlag` actor that stops the run when set (a warm trainer's job sets it).
     """
-    from zerolab import warm
-
-    if warm.wanted(cfg):
-        return warm.run_sft_warm(cfg, config_file=config_file, restart=restart, force=force, parent_run_id=parent_run_id,
-                                 in_tune=in_tune, launched=launched or time.time())
     clock = StartupClock(launched)
     cfg = with_run_name(cfg)
     storage = storage_path(cfg)
@@ -121,7 +117,7 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
                                experiment=cfg.tracking.experiment, run_id=run.run_id,
                                **({"started_at": resume.record.started_at} if resume.record else {}))
             try:
-                return _train(plan, run, record, folder, clock, config_file, in_tune, resume.checkpoint)
+                return _train(plan, run, record, folder, clock, config_file, in_tune, resume.checkpoint, stop_flag)
             except KeyboardInterrupt:
                 run.status, record.status = "KILLED", "stopped"
                 raise
@@ -130,7 +126,7 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
 
 
 def _train(plan: JobPlan, run: tracking.TrackedRun, record: RunRecord, folder: RunFolder, clock: StartupClock,
-           config_file: str | Path | None, in_tune: bool, resume_from: str | None) -> RunResult:
+           config_file: str | Path | None, in_tune: bool, resume_from: str | None, stop_flag: Any) -> RunResult:
     """Record the job's inputs, run the trainer, and record its outcome into ``run`` and ``record``."""
     cfg, memory = plan.cfg, plan.memory
     run.log_params(tracking.mask_params({**cfg.flat(), **derived_params(cfg, plan.reports, plan.commit, plan.launch), **memory.params()}))
@@ -139,7 +135,7 @@ def _train(plan: JobPlan, run: tracking.TrackedRun, record: RunRecord, folder: R
     folder.write_record(record)  # training begins
     clock.mark("MLflow run")
     deadline = clock.launched + cfg.run.max_wall_time_s if cfg.run.max_wall_time_s else None
-    stop = StopSignal(cfg.train.log_every_n_steps, plan.launch)
+    stop = StopSignal(cfg.train.log_every_n_steps, plan.launch, stop_flag)
     trainer = build_trainer(plan, run.uri, run.run_id, stop.flag, in_tune=in_tune, deadline=deadline, resume_from=resume_from)
     with stop.installed():
         result = stop.fit(trainer)
@@ -338,45 +334,20 @@ class StopSignal:
     an actor on the driver's node.
     """
 
-    def __init__(self, log_every_n_steps: int, launch: str) -> None:
+    def __init__(self, log_every_n_steps: int, launch: str, flag: Any = None) -> None:
         self.log_every_n_steps = log_every_n_steps
         self._requested = False
-        self.flag: Any
-        if launch == "driver":
-            self.flag = threading.Event()
-            return
-        import ray
-
-        @ray.remote(num_cpus=0)
-        class _Flag:
-            def __init__(self) -> None:
-                self.value = False
-
-            def set(self) -> None:
-                self.value = True
-
-            def get(self) -> bool:
-                return self.value
-
-        # On the driver's node, like Ray Train's controller: on a worker node it would die with that
-        # node, and the retry from the last checkpoint would fail on the lost flag.
-        self.flag = _Flag.options(label_selector={"ray.io/node-id": ray.get_runtime_context().get_node_id()}).remote()
+        self.flag: Any = flag if flag is not None else threading.Event() if launch == "driver" else stop_flag_actor()
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self._requested:
             raise KeyboardInterrupt
-        self.request(f"{signal.Signals(signum).name} received")
-
-    def request(self, why: str) -> None:
-        """Ask the workers to checkpoint and stop at the next logging step."""
         self._requested = True
         if isinstance(self.flag, threading.Event):
             self.flag.set()
         else:
             self.flag.set.remote()
-        logger.warning("%s: the workers will save a checkpoint and stop at the next logging step (within "
-                       "train.log_every_n_steps=%d steps); send it again to abort without a checkpoint",
-                       why, self.log_every_n_steps)
+        log_stop_requested(signal.Signals(signum).name, self.log_every_n_steps)
 
     @staticmethod
     def fit(trainer: Any) -> Any:
@@ -403,29 +374,42 @@ class StopSignal:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        """The signal handlers (on the main thread: handlers can only be set there) and
-        :func:`request_stop`, while the run trains."""
-        main = threading.current_thread() is threading.main_thread()
-        previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
-        _training.add(self)
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signal handlers can only be set from the main thread
+            return
+        previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             yield
         finally:
-            _training.discard(self)
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
 
-_training: set[StopSignal] = set()
-"""The stop signals of the runs training in this process now."""
+class StopFlag:
+    """The stop flag as a Ray actor (:func:`stop_flag_actor`), for a run that trains in other processes."""
+
+    def __init__(self) -> None:
+        self.value = False
+
+    def set(self) -> None:
+        self.value = True
+
+    def get(self) -> bool:
+        return self.value
 
 
-def request_stop(why: str) -> bool:
-    """Stop the runs training in this process as a first SIGINT would (a warm trainer's job was
-    stopped: :mod:`zerolab.warm`); False when none is training."""
-    for stop in list(_training):
-        stop.request(why)
-    return bool(_training)
+def stop_flag_actor() -> Any:
+    """A :class:`StopFlag` actor on this process's node, like Ray Train's controller: on a worker
+    node it would die with that node, and the retry from the last checkpoint would fail on the lost flag."""
+    import ray
+
+    return ray.remote(num_cpus=0)(StopFlag).options(label_selector={"ray.io/node-id": ray.get_runtime_context().get_node_id()}).remote()
+
+
+def log_stop_requested(signal_name: str, log_every_n_steps: int) -> None:
+    logger.warning("%s received: the workers will save a checkpoint and stop at the next logging step (within "
+                   "train.log_every_n_steps=%d steps); send it again to abort without a checkpoint",
+                   signal_name, log_every_n_steps)
 
 
 def check_resources(cfg: SFTConfig, launch: str) -> None:

@@ -6,9 +6,9 @@ hosts, most of a job's time to its first step. With ``scaling.keep_warm_s`` a on
 cluster (``RAY_ADDRESS`` set) runs in a detached actor on its own node instead, the *warm
 trainer*, which imported the stack once and stays up for ``keep_warm_s`` after each job; the next
 job (same zerolab code, same kind of worker) finds it by name and hands it the config. The job's
-own process imports none of the stack: it relays the trainer's log lines, forwards a stop
-(SIGINT/SIGTERM: checkpoint at the next logging step; a second one aborts and ends the trainer)
-and returns the result. Everything else is the ordinary one-worker job (``run_sft`` in the
+own process imports none of the stack: it relays the trainer's log lines, stops the run through a
+stop flag of its own (SIGINT/SIGTERM: checkpoint at the next logging step; a second one aborts and
+ends the trainer) and returns the result. Everything else is the ordinary one-worker job (``run_sft`` in the
 trainer: plan, preflight, MLflow run, Ray Train's local mode, evaluation), run in the job's
 working directory and environment.
 
@@ -36,6 +36,7 @@ import zerolab
 from zerolab.cluster import adopt_worker_env, connect_ray, import_now, job_imports, may_train_in_driver, worker_env
 from zerolab.config import SFTConfig
 from zerolab.errors import UserError
+from zerolab.run import log_stop_requested, stop_flag_actor
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,8 @@ def run_sft_warm(cfg: SFTConfig, **run_sft_kwargs: Any) -> Any:
     logger.info("%s warm trainer (pid %d on this node; it stays up %g s after each job, scaling.keep_warm_s)",
                 "reusing the" if reused else "starting a", status["pid"], cfg.scaling.keep_warm_s)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k not in _NOT_PASSED}
-    stream = trainer.run.remote(cfg, run_sft_kwargs, os.getcwd(), env)
+    stop_flag = stop_flag_actor()
+    stream = trainer.run.remote(cfg, {**run_sft_kwargs, "stop_flag": stop_flag}, os.getcwd(), env)
     stops = 0
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -94,7 +96,8 @@ def run_sft_warm(cfg: SFTConfig, **run_sft_kwargs: Any) -> Any:
         if stops > 1:
             ray.kill(trainer)  # it may be anywhere in a step: the process goes, with what it held
             raise KeyboardInterrupt
-        trainer.stop.remote(signal.Signals(signum).name)
+        stop_flag.set.remote()
+        log_stop_requested(signal.Signals(signum).name, cfg.train.log_every_n_steps)
 
     handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} \
         if threading.current_thread() is threading.main_thread() else {}
@@ -131,7 +134,7 @@ def _trainer(cfg: SFTConfig) -> tuple[Any, bool]:
     except ValueError:
         pass
     resources = {"num_gpus": 1, "num_cpus": cfg.scaling.cpus_per_worker} if cfg.scaling.use_gpu else {"num_cpus": cfg.scaling.cpus_per_worker}
-    actor = ray.remote(concurrency_groups={"run": 1, "control": 2})(WarmTrainer).options(
+    actor = ray.remote(concurrency_groups={"run": 1, "control": 1})(WarmTrainer).options(
         name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, max_restarts=0,
         label_selector={"ray.io/node-id": node}, **resources,
     ).remote(cfg, cfg.scaling.keep_warm_s)
@@ -171,11 +174,6 @@ class WarmTrainer:
     def retire(self) -> None:
         """Leave once idle (another job's code or worker kind needs this node's slot)."""
         self.leave = True
-
-    def stop(self, why: str) -> bool:
-        from zerolab.run import request_stop
-
-        return request_stop(why)
 
     def run(self, cfg: SFTConfig, kwargs: dict[str, Any], cwd: str, env: dict[str, str]) -> Iterator[tuple[str, Any]]:
         """``run_sft`` on a thread, in the job's working directory and environment; yields
