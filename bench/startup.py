@@ -17,6 +17,8 @@ model and data):
   already running (the job then trains in its own process), timed from the submit command's launch (twice: the
   cluster's first job, then another);
 - ``warm-driver``: the job's driver joining that cluster directly (``RAY_ADDRESS=auto``), ``scaling.launch=driver``;
+- ``warm-trainer``: three such drivers with ``scaling.keep_warm_s`` (``zerolab.warm``): the first
+  starts the node's warm trainer, the next two train in it;
 - ``sweep``: ``jobs/tune.py`` with 6 trials on one GPU (grid of ``adapter.r`` × ``train.lr``): each
   trial's start-up (its launch to its first step) and training time from the sweep's results.
 
@@ -42,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
 
 from bench import harness  # noqa: E402
 
-CASES = ("cold-nocache", "cold", "cold-workers", "torchrun", "warm-submit", "warm-driver", "sweep")
+CASES = ("cold-nocache", "cold", "cold-workers", "torchrun", "warm-submit", "warm-driver", "warm-trainer", "sweep")
 RUN = harness.Run("zerolab", "qwen2.5-0.5b", micro_batch=4, steps=20, window=10, timeout_s=300)
 CPU_RUN = harness.Run("zerolab", "tiny", micro_batch=2, steps=4, window=2, attn="sdpa", kernels="none", timeout_s=600)
 STARTUP_LINE = re.compile(r"start-up: first optimizer step ([\d.]+) s after launch \((.*)\)")
@@ -106,6 +108,7 @@ def warm_cases(run: harness.Run, ws: harness.Workspace, out: Path, env: dict[str
     # `ray job submit` needs the dashboard's job server (ray[default]); where it cannot start, the
     # warm cluster is measured with the driver joining it directly.
     dashboard = "--include-dashboard=true" if "warm-submit" in cases and _has_dashboard() else "--include-dashboard=false"
+    env = {**env, "RAY_AUTH_MODE": "token"}  # as `ray start` sets up by default; its drivers then read the token
     start = subprocess.run([ray, "start", "--head", "--disable-usage-stats", dashboard], env=env, capture_output=True, text=True)
     (out / "runs.log").open("a").write(f"\n===== ray start --head\n{start.stdout}\n{start.stderr}\n")
     if start.returncode != 0:
@@ -117,6 +120,10 @@ def warm_cases(run: harness.Run, ws: harness.Workspace, out: Path, env: dict[str
                                          prefix=[ray, "job", "submit", "--address", "http://127.0.0.1:8265", *gpus, "--"]))
         if "warm-driver" in cases:
             rows.append(zerolab_case(with_overrides(run, "scaling.launch=driver"), "warm-driver", ws, out, {**env, "RAY_ADDRESS": "auto"}))
+        if "warm-trainer" in cases:
+            for i in (1, 2, 3):
+                rows.append(zerolab_case(with_overrides(run, "scaling.keep_warm_s=120"), f"warm-trainer-{i}", ws, out,
+                                         {**env, "RAY_ADDRESS": "auto"}))
     finally:
         subprocess.run([ray, "stop", "--force"], env=env, capture_output=True)
     return rows
@@ -177,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         record([zerolab_case(with_overrides(run, "scaling.launch=workers"), "cold-workers", ws, args.out, env)])
     if "torchrun" in cases:
         record([torchrun_case(run, ws, args.out)])
-    if cases & {"warm-submit", "warm-driver"}:
+    if cases & {"warm-submit", "warm-driver", "warm-trainer"}:
         record(warm_cases(run, ws, args.out, env, cases))
     if "sweep" in cases:
         record(sweep_case(run, ws, args.out, env))

@@ -1,4 +1,4 @@
-"""One zerolab SFT run as ``jobs/sft.py`` makes it (``zerolab.run.run_sft``), its metrics written as JSON.
+"""One zerolab SFT run as ``jobs/sft.py`` makes it (``zerolab.run.run_sft``, or in a warm trainer), its metrics written as JSON.
 
     python bench/zerolab_run.py --out result.json --set model.name_or_path=... --set data.packing=true ...
 
@@ -29,8 +29,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from zerolab.config import load_config
     from zerolab.run import run_sft
+    from zerolab.warm import run_sft_warm, wanted
 
-    result = run_sft(load_config(None, args.set), restart=True)  # a fresh run, never a resumed one
+    cfg = load_config(None, args.set)
+    result = (run_sft_warm if wanted(cfg) else run_sft)(cfg, restart=True)  # a fresh run, never a resumed one
     args.out.write_text(json.dumps({"metrics": result.metrics, "data": result.data}, indent=1, default=str))
     return 0
 

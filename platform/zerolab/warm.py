@@ -162,11 +162,15 @@ class WarmTrainer:
         threading.Thread(target=self._watch, name="zerolab-warm-idle", daemon=True).start()
 
     def _watch(self) -> None:
+        import ray
+
         while True:
             time.sleep(0.5)
             if not self.busy and (self.leave or time.monotonic() - self.idle_since > self.keep_warm_s):
-                logging.getLogger(__name__).info("warm trainer leaving after %d job(s)", self.jobs)
-                os._exit(0)
+                # Killed through Ray, which then counts the exit as intended (an exit of its own
+                # would be reported to every connected driver as a worker's unexpected death).
+                ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+                return
 
     def status(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "busy": self.busy, "jobs": self.jobs}
