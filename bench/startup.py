@@ -109,7 +109,8 @@ def warm_cases(run: harness.Run, ws: harness.Workspace, out: Path, env: dict[str
     # warm cluster is measured with the driver joining it directly.
     dashboard = "--include-dashboard=true" if "warm-submit" in cases and _has_dashboard() else "--include-dashboard=false"
     start = subprocess.run([ray, "start", "--head", "--disable-usage-stats", dashboard], env=env, capture_output=True, text=True)
-    env = {**env, "RAY_AUTH_MODE": "token"}  # `ray start` made the cluster's token (~/.ray/auth_token): its drivers present it
+    if "Token authentication is enabled" in start.stdout + start.stderr:
+        env = {**env, "RAY_AUTH_MODE": "token"}  # `ray start` made the cluster's token (~/.ray/auth_token): drivers present it
     (out / "runs.log").open("a").write(f"\n===== ray start --head\n{start.stdout}\n{start.stderr}\n")
     if start.returncode != 0:
         return [{"case": "warm-*", "status": f"ray start failed ({start.returncode})"}]
