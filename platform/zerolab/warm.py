@@ -29,13 +29,14 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import zerolab
-from zerolab.cluster import adopt_worker_env, connect_ray, import_now, job_imports, may_train_in_driver, worker_env
+from zerolab.cluster import adopt_worker_env, connect_ray, import_now, job_imports, may_train_in_driver, reserved_resources, worker_env
 from zerolab.config import SFTConfig
-from zerolab.errors import UserError
+from zerolab.errors import EnvironmentProblem, UserError
 from zerolab.run import log_stop_requested, stop_flag_actor
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,9 @@ NAMESPACE = "zerolab"
 PREFIX = "zerolab-warm-trainer-"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(message)s"
 """The jobs' own log format (``jobs/sft.py``): the trainer's lines read as the job's."""
+
+START_TIMEOUT_S = 300.0
+"""How long a job waits for a new warm trainer to be placed and to import the training stack."""
 
 _NOT_PASSED = ("CUDA_VISIBLE_DEVICES", "PWD", "OLDPWD", "SHLVL", "_")
 """Variables of the job's environment the trainer keeps its own of (Ray sets the devices)."""
@@ -81,8 +85,22 @@ def run_sft_warm(cfg: SFTConfig, **run_sft_kwargs: Any) -> Any:
     # Joins RAY_ADDRESS and imports nothing of the training stack; the trainer's output comes
     # through its `run` stream (Ray's forwarding would show a detached actor's to its first job).
     connect_ray(cfg, log_to_driver=False)
+    if reserved_resources().get("GPU" if cfg.scaling.use_gpu else "CPU"):
+        # The trainer would wait for what this process holds (`ray job submit --entrypoint-num-gpus`).
+        logger.info("the job holds its worker's resources (entrypoint resources): it trains in its own process, "
+                    "not in a warm trainer; submit it without them to use scaling.keep_warm_s")
+        from zerolab.run import run_sft
+
+        return run_sft(cfg, **run_sft_kwargs)
     trainer, reused = _trainer(cfg)
-    status = ray.get(trainer.status.remote())
+    try:
+        status = ray.get(trainer.status.remote(), timeout=START_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        ray.kill(trainer)
+        raise EnvironmentProblem(
+            f"the warm trainer did not start within {START_TIMEOUT_S:g} s: this node has no free "
+            f"{'GPU' if cfg.scaling.use_gpu else f'{cfg.scaling.cpus_per_worker:g} CPU(s)'} for it (`ray status` shows what holds "
+            "them), or its imports hang; free them, or set scaling.keep_warm_s=0") from None
     logger.info("%s warm trainer (pid %d on this node; it stays up %g s after each job, scaling.keep_warm_s)",
                 "reusing the" if reused else "starting a", status["pid"], cfg.scaling.keep_warm_s)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k not in _NOT_PASSED}
