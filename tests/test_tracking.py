@@ -157,3 +157,17 @@ def test_compare_cli_reports_unknown_experiment(tmp_path):
                            "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}"], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2
     assert "no MLflow experiment named 'nope'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_run_shorter_than_one_sampling_interval_still_records_its_system_metrics(tmp_path):
+    """MLflow's monitor publishes at the end of each interval and drops an unfinished one; the
+    samples taken before the end are published when the run ends."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run = client.create_run(client.create_experiment("system"))
+    with tracking.system_metrics(uri, run.info.run_id, 60.0, "node-a"):
+        pass
+    metrics = client.get_run(run.info.run_id).data.metrics
+    assert "system/node-a/cpu_utilization_percentage" in metrics, sorted(metrics)

@@ -386,3 +386,9 @@ def system_metrics(uri: str, run_id: str, interval_s: float, node: str) -> Itera
         yield
     finally:
         monitor.finish()
+        # MLflow's monitor drops the samples of its last, unfinished interval: a run shorter than
+        # one interval would record none at all.
+        last = monitor.aggregate_metrics()
+        if last:
+            monitor.publish_metrics(last)
+            monitor.mlflow_logger.flush()
