@@ -103,6 +103,8 @@ def run_sft_warm(cfg: SFTConfig, **run_sft_kwargs: Any) -> Any:
             "them), or its imports hang; free them, or set scaling.keep_warm_s=0") from None
     logger.info("%s warm trainer (pid %d on this node; it stays up %g s after each job, scaling.keep_warm_s)",
                 "reusing the" if reused else "starting a", status["pid"], cfg.scaling.keep_warm_s)
+    if status["busy"]:
+        logger.info("the warm trainer is running another job; this one starts when that one ends")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k not in _NOT_PASSED}
     stop_flag = stop_flag_actor()
     stream = trainer.run.remote(cfg, {**run_sft_kwargs, "stop_flag": stop_flag}, os.getcwd(), env)
