@@ -353,7 +353,7 @@ def _fp8_self_check(device: str) -> str | None:
     err_out = (out.float() - ref).norm() / ref.norm()
     err_grad = (x.grad.float() - ref_x.grad).norm() / ref_x.grad.norm()
     if not (err_out < 0.1 and err_grad < 0.1):  # e4m3 keeps 3 mantissa bits: 2-4% lands here
-        return f"FP8 products disagree with bf16 (relative error {err_out:.1e} forward, {err_grad:.1e} input gradient)"
+        return f"FP8 products disagree with float32 ones (relative error {err_out:.1e} forward, {err_grad:.1e} input gradient)"
     return None
 
 
@@ -367,7 +367,7 @@ class Fp8Weight:
         with torch.no_grad():
             amax = weight.abs().amax().float().clamp_(min=1e-12)
             self.scale = amax / E4M3_MAX  # dequantization multiplier: weight ≈ data · scale
-            self.data = (weight.float() / self.scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+            self.data = _to_e4m3(weight, self.scale)
             self.data_t = self.data.t().contiguous()
         out_features, in_features = weight.shape
         # _scaled_mm's rowwise mode takes a scale per output column of each product.
@@ -402,7 +402,12 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, scale
     amax = torch.linalg.vector_norm(t, ord=float("inf"), dim=1, keepdim=True).float().clamp_(min=1e-12)
     scale = amax / E4M3_MAX
-    return (t.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+    return _to_e4m3(t, scale), scale
+
+
+def _to_e4m3(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``t / scale`` in e4m3, saturated (a value past ±448 would become NaN)."""
+    return (t.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 @functools.cache

@@ -6,7 +6,7 @@ hosts, most of a job's time to its first step. With ``scaling.keep_warm_s`` a on
 cluster (``RAY_ADDRESS`` set) runs in a detached actor on its own node instead, the *warm
 trainer*, which imported the stack once and stays up for ``keep_warm_s`` after each job; the next
 job (same zerolab code, same kind of worker) finds it by name and hands it the config. The job's
-own process imports none of the stack: it relays the trainer's log lines, stops the run through a
+own process imports none of the stack: it logs the trainer's log records as its own, stops the run through a
 stop flag of its own (SIGINT/SIGTERM: checkpoint at the next logging step; a second one aborts and
 ends the trainer) and returns the result. Everything else is the ordinary one-worker job (``run_sft`` in the
 trainer: plan, preflight, MLflow run, Ray Train's local mode, evaluation), run in the job's
@@ -43,8 +43,6 @@ logger = logging.getLogger(__name__)
 
 NAMESPACE = "zerolab"
 PREFIX = "zerolab-warm-trainer-"
-LOG_FORMAT = "%(asctime)s %(levelname)s %(message)s"
-"""The jobs' own log format (``jobs/sft.py``): the trainer's lines read as the job's."""
 
 START_TIMEOUT_S = 300.0
 """How long a job waits for a new warm trainer to be placed and to import the training stack."""
@@ -124,8 +122,9 @@ def run_sft_warm(cfg: SFTConfig, **run_sft_kwargs: Any) -> Any:
     try:
         for ref in stream:
             kind, payload = ray.get(ref)
-            if kind == "log":
-                print(payload, file=sys.stderr, flush=True)
+            if kind == "log":  # the trainer's record, through this process's logging configuration
+                record = logging.makeLogRecord(payload)
+                logging.getLogger(record.name).handle(record)
             elif kind == "error":
                 raise payload
             else:
@@ -201,13 +200,13 @@ class WarmTrainer:
 
     def run(self, cfg: SFTConfig, kwargs: dict[str, Any], cwd: str, env: dict[str, str]) -> Iterator[tuple[str, Any]]:
         """``run_sft`` on a thread, in the job's working directory and environment; yields
-        ("log", line) as the job's log records come, then ("result", RunResult) or ("error", exc)."""
+        ("log", record attributes) as the job's log records come, then ("result", RunResult) or ("error", exc)."""
         from zerolab.cli import user_errors
         from zerolab.run import Interrupted, run_sft
 
         self.busy, self.keep_warm_s = True, cfg.scaling.keep_warm_s
         self.jobs += 1
-        lines: queue.Queue[str] = queue.Queue()
+        lines: queue.Queue[dict[str, Any]] = queue.Queue()
         self.relay.lines = lines
         root = logging.getLogger()
         level = root.level
@@ -251,17 +250,20 @@ class WarmTrainer:
 
 
 class _RelayHandler(logging.Handler):
-    """Formats records into the running job's queue of lines; drops them between jobs."""
+    """Puts records, made picklable (message formatted, traceback as text), into the running job's
+    queue; drops them between jobs."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
-        self.lines: queue.Queue[str] | None = None
-        self.setFormatter(logging.Formatter(LOG_FORMAT, datefmt="%H:%M:%S"))
+        self.lines: queue.Queue[dict[str, Any]] | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
         lines = self.lines
-        if lines is not None:
-            lines.put(self.format(record))
+        if lines is None:
+            return
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        lines.put({**record.__dict__, "msg": record.getMessage(), "args": None, "exc_info": None})
 
 
 def _portable(exc: BaseException) -> BaseException:
