@@ -162,6 +162,10 @@ SUITES: dict[str, list[Run]] = {
     # them); every projection in FP8 (the 0.5B's are narrower than model.fp8_min_features' default).
     "fp8-curve-0.5b": [Run("zerolab", "qwen2.5-0.5b", micro_batch=4, steps=240, window=10, variant=f"{label}-curve", timeout_s=420,
                            overrides=(f"model.fp8={v}", "model.fp8_min_features=16")) for label, v in (("bf16", "false"), ("fp8", "true"))],
+    # Where ZeRO-3's step on two GPUs spends its time: the same loop at ZeRO-2 and ZeRO-3 (one packed 4k
+    # row per micro-batch), each profiled (kernels, NCCL against compute, host calls, DeepSpeed's Python).
+    "zero3-profile-7b-2gpu": [Run("zerolab-torchrun", "qwen2.5-7b", gpus=2, stage=stage, steps=8, window=4, variant="mb1", profile_steps=2,
+                                  timeout_s=240) for stage in (2, 3)],
     # The ZeRO-3 target with compiled layers: ZeRO-2 and ZeRO-3 (leaf layers) on two GPUs, 1 packed 4k row.
     "compile-zero3-7b-2gpu": [Run("zerolab", "qwen2.5-7b", gpus=2, stage=stage, steps=12, window=6, variant="compile", timeout_s=360,
                                   overrides=("model.compile=true",)) for stage in (2, 3)],

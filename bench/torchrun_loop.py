@@ -164,13 +164,23 @@ def zerolab_loop(args: argparse.Namespace, rows: list, device: torch.device, wor
 
 
 def _profile(step, n: int) -> None:
-    """Print the GPU time of ``n`` steps by kernel (the 30 largest) and by kind of kernel."""
+    """Print where ``n`` steps spend their time: GPU time by kernel (the 30 largest) and by kind,
+    how much of the step the GPU computes, communicates or idles (NCCL overlapped with compute or
+    not), the host's blocking CUDA calls; then, over ``n`` more steps under cProfile, the host's
+    Python time by function (DeepSpeed's ZeRO-3 hooks run there)."""
+    import cProfile
+    import pstats
+    import time
+
     from torch.profiler import ProfilerActivity, profile
 
+    torch.cuda.synchronize()
+    start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
             step()
         torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) * 1e3 / n
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]  # kernels, not the operators launching them
     total = sum(e.self_device_time_total for e in events) or 1.0
     kinds = {"attention": ("flash", "fmha", "attention"), "matmul (gemm)": ("gemm", "cutlass", "nvjet", "sm90", "cublas", "splitk"),
@@ -180,11 +190,60 @@ def _profile(step, n: int) -> None:
     for e in events:
         kind = next((k for k, keys in kinds.items() if any(w in e.key.lower() for w in keys)), "other")
         by_kind[kind] = by_kind.get(kind, 0.0) + e.self_device_time_total
-    print(f"PROFILE {n} steps, GPU time {total / 1e3 / n:.1f} ms/step by kind:")
+    print(f"PROFILE {n} steps, {wall_ms:.1f} ms/step wall, GPU time {total / 1e3 / n:.1f} ms/step by kind:")
     for kind, t in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"PROFILE   {kind:22s} {100 * t / total:5.1f}%  {t / 1e3 / n:8.1f} ms/step")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:30]:
         print(f"PROFILE   {100 * e.self_device_time_total / total:5.1f}%  {e.count // n:5d}/step  {e.key[:110]}")
+    _print_overlap(prof.events(), n)
+    host = sorted((e for e in prof.key_averages() if e.device_type.name == "CPU" and e.key.startswith("cuda")),
+                  key=lambda e: -e.self_cpu_time_total)[:8]
+    for e in host:
+        print(f"PROFILE host {e.key:40s} {e.count // n:6d}/step  {e.self_cpu_time_total / 1e3 / n:8.1f} ms/step")
+    py = cProfile.Profile()
+    py.enable()
+    for _ in range(n):
+        step()
+    torch.cuda.synchronize()
+    py.disable()
+    stats = pstats.Stats(py)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:25]  # by own time
+    print(f"PROFILE python, {n} more steps under cProfile (own time; cProfile slows Python-heavy code):")
+    for (file, line, func), (_, calls, own, cum, _) in rows:
+        where = file.split("site-packages/")[-1].split("/platform/")[-1]
+        print(f"PROFILE py {own * 1e3 / n:8.1f} ms/step own {cum * 1e3 / n:8.1f} cum {calls // n:7d}/step  {where}:{line}({func})")
+
+
+def _print_overlap(events, n: int) -> None:
+    """From the kernels' device intervals: the time per step the GPU runs compute kernels, NCCL
+    kernels, both at once, and neither (idle)."""
+    compute, nccl = [], []
+    for e in events:
+        if e.device_type.name != "CUDA" or e.time_range.elapsed_us() <= 0:
+            continue
+        (nccl if "nccl" in e.name.lower() else compute).append((e.time_range.start, e.time_range.end))
+    if not compute:
+        return
+
+    def union(spans: list) -> list:
+        merged: list = []
+        for a, b in sorted(spans):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        return merged
+
+    def length(spans: list) -> float:
+        return sum(b - a for a, b in spans)
+
+    c, m = union(compute), union(nccl)
+    both = union(compute + nccl)
+    first, last = both[0][0], both[-1][1]
+    overlap = length(c) + length(m) - length(both)
+    per = 1e3 * n
+    print(f"PROFILE timeline per step: span {(last - first) / per:.1f} ms, compute {length(c) / per:.1f} ms, NCCL {length(m) / per:.1f} ms "
+          f"({overlap / per:.1f} ms of it under compute), idle {(last - first - length(both)) / per:.1f} ms")
 
 
 def _device_name(device: torch.device) -> str:
