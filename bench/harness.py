@@ -60,6 +60,10 @@ class Run:
     """Job config overrides of this run (``KEY=VALUE``), after the ones above."""
     profile_steps: int = 0
     """zerolab-torchrun: profile this many steps after the measured ones (printed to runs.log)."""
+    traces: tuple[str, ...] = ()
+    """zerolab-torchrun: ``memory`` (the allocator's history at the steps' peak) and ``rss`` (the process's
+    resident memory by phase), printed to runs.log."""
+    max_seq_length: int = 4096
 
     @property
     def name(self) -> str:
@@ -166,6 +170,19 @@ SUITES: dict[str, list[Run]] = {
     # row per micro-batch), each profiled (kernels, NCCL against compute, host calls, DeepSpeed's Python).
     "zero3-profile-7b-2gpu": [Run("zerolab-torchrun", "qwen2.5-7b", gpus=2, stage=stage, steps=8, window=4, variant="mb1", profile_steps=2,
                                   timeout_s=240) for stage in (2, 3)],
+    # ZeRO-3's step on one GPU (no interconnect: what the hooks and gathers cost by themselves).
+    "zero3-profile-7b": [Run("zerolab-torchrun", "qwen2.5-7b", stage=stage, steps=8, window=4, variant="mb1", profile_steps=2,
+                             timeout_s=240) for stage in (2, 3)],
+    # The memory estimator's open misses on the 0.5B shape (docs/calibration/heldout.md, set D): what
+    # holds the GPU memory at full fine-tuning's ZeRO-3 peak, and the process's resident memory by phase
+    # where one process reads the whole checkpoint (ZeRO-3 with and without parameter offload, full ZeRO-3).
+    "memory-traces-0.5b": [
+        Run("zerolab-torchrun", "qwen2.5-0.5b", stage=3, micro_batch=4, steps=4, window=2, variant="full-b4x512", max_seq_length=512,
+            traces=("memory", "rss"), timeout_s=180, overrides=("adapter.method=full", "data.packing=false")),
+        Run("zerolab-torchrun", "qwen2.5-0.5b", stage=3, micro_batch=16, steps=4, window=2, variant="b16x128", max_seq_length=128,
+            traces=("rss",), timeout_s=180, overrides=("data.packing=false",)),
+        Run("zerolab-torchrun", "qwen2.5-0.5b", stage=3, offload="all", micro_batch=16, steps=4, window=2, variant="b16x128",
+            max_seq_length=128, traces=("rss",), timeout_s=180, overrides=("data.packing=false",))],
     # The ZeRO-3 target with compiled layers: ZeRO-2 and ZeRO-3 (leaf layers) on two GPUs, 1 packed 4k row.
     "compile-zero3-7b-2gpu": [Run("zerolab", "qwen2.5-7b", gpus=2, stage=stage, steps=12, window=6, variant="compile", timeout_s=360,
                                   overrides=("model.compile=true",)) for stage in (2, 3)],
@@ -201,7 +218,7 @@ def zerolab_overrides(run: Run, ws: Workspace, *, for_torchrun: bool = False) ->
          f"model.gradient_checkpointing={str(run.checkpointing).lower()}",
          "adapter.method=lora", "adapter.r=16", "adapter.alpha=32", "adapter.dropout=0.0",
          "data.task=custom", f"data.train_path={ws.data}", f"data.num_train_rows={NUM_MATH + NUM_NER + NUM_LONG}",
-         "data.max_seq_length=4096", "data.packing=true",
+         f"data.max_seq_length={run.max_seq_length}", "data.packing=true",
          f"train.micro_batch_size={run.micro_batch}", f"train.max_steps={run.steps}", f"train.log_every_n_steps={run.window}",
          "train.lr=1e-4", "train.weight_decay=0.1",
          f"deepspeed.stage={run.stage}", f"deepspeed.offload_optimizer={str(run.offload != 'none').lower()}",
@@ -237,12 +254,13 @@ def command(run: Run, ws: Workspace, result: Path) -> list[str]:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={run.gpus}"]
     model = ws.models[run.shape]
     common = ["--model", model, "--data", str(ws.data), "--out", str(result), "--steps", str(run.steps), "--window", str(run.window),
-              "--micro-batch", str(run.micro_batch), "--max-seq-length", "1024" if run.shape == "tiny" else "4096"]
+              "--micro-batch", str(run.micro_batch), "--max-seq-length", "1024" if run.shape == "tiny" else str(run.max_seq_length)]
     if run.system == "zerolab":
         return [sys.executable, str(REPO / "bench" / "zerolab_run.py"), "--out", str(result),
                 *[a for o in zerolab_overrides(run, ws) for a in ("--set", o)]]
     if run.system == "zerolab-torchrun":
         return [*torchrun, str(REPO / "bench" / "torchrun_loop.py"), "--mode", "zerolab", *common, "--profile-steps", str(run.profile_steps),
+                *[f"--{t}-trace" for t in run.traces],
                 *[a for o in zerolab_overrides(run, ws, for_torchrun=True) for a in ("--set", o)]]
     if run.system == "seeds":
         return [*torchrun, str(REPO / "bench" / "seeds_recipe.py"), *common, "--stage", str(run.stage)]

@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], help="zerolab mode: config overrides, as for jobs/sft.py")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="zerolab mode: after the measured steps, profile this many more and print where the GPU time goes")
+    p.add_argument("--rss-trace", action="store_true",
+                   help="zerolab mode: sample the process's resident memory every 20 ms and print its peak in each phase "
+                        "(data, model, engine, steps)")
     p.add_argument("--memory-trace", action="store_true",
                    help="zerolab mode: trace the CUDA allocator over the steps and print what holds the memory at their "
                         "peak (bench/memory_trace.py; slows the steps)")
@@ -57,20 +60,56 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    rss = RssTrace() if args.rss_trace else None
     rows = tokenized_rows(args.data, args.model)
     rows = [r for r in rows if len(r[0]) <= args.max_seq_length][rank::world]
+    if rss:
+        rss.mark("data")
     meter = StepMeter(device)
     if args.mode == "plain":
         total, trainable = plain_loop(args, rows, device, world, meter)
         result = meter.result(args.window)
     else:
-        total, trainable, result = zerolab_loop(args, rows, device, world, meter)
+        total, trainable, result = zerolab_loop(args, rows, device, world, meter, rss)
     result.update(total_params=total, trainable_params=trainable, world=world, device=_device_name(device))
     write_rank_result(args.out, result)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
     return 0
+
+
+class RssTrace:
+    """This process's resident memory, sampled every 20 ms from a thread, split into named phases."""
+
+    def __init__(self) -> None:
+        import threading
+        import time
+
+        import psutil
+
+        self._clock, self._process = time.perf_counter, psutil.Process()
+        self.samples: list[tuple[float, int]] = []
+        self.marks: list[tuple[float, str]] = [(self._clock(), "start")]
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def _sample(self) -> None:
+        import time
+
+        while True:
+            self.samples.append((self._clock(), self._process.memory_info().rss))
+            time.sleep(0.02)
+
+    def mark(self, phase: str) -> None:
+        """End the phase that ran since the last mark."""
+        self.marks.append((self._clock(), phase))
+
+    def report(self) -> list[str]:
+        lines = []
+        for (start, _), (end, phase) in zip(self.marks, self.marks[1:], strict=False):
+            inside = [rss for t, rss in self.samples if start <= t <= end] or [0]
+            lines.append(f"{phase:8s} {end - start:7.1f} s  peak {max(inside) / 2**30:7.3f} GiB  at its end {inside[-1] / 2**30:7.3f} GiB")
+        return lines
 
 
 def plain_loop(args: argparse.Namespace, rows: list, device: torch.device, world: int, meter: StepMeter) -> tuple[int, int]:
@@ -112,7 +151,7 @@ def plain_loop(args: argparse.Namespace, rows: list, device: torch.device, world
 
 
 def zerolab_loop(args: argparse.Namespace, rows: list, device: torch.device, world: int,
-                 meter: StepMeter) -> tuple[int, int, dict]:
+                 meter: StepMeter, rss: RssTrace | None = None) -> tuple[int, int, dict]:
     import deepspeed
     from transformers import AutoConfig
 
@@ -130,8 +169,11 @@ def zerolab_loop(args: argparse.Namespace, rows: list, device: torch.device, wor
     batches = MicroBatches(rows, micro_batch_size=cfg.train.micro_batch_size, max_seq_length=cfg.data.max_seq_length,
                            packing=cfg.data.packing, pad_id=load_tokenizer(cfg.model).pad_token_id, seed=cfg.train.seed)
     model = _build_model(cfg, resolved, args.steps)
+    mark = rss.mark if rss else lambda _: None
+    mark("model")
     total, trainable = model_counts(model)
     engine = initialize_engine(model, cfg, resolved, args.steps)
+    mark("engine")
     stream = batches.iterate()
     engine.train()
 
@@ -154,6 +196,9 @@ def zerolab_loop(args: argparse.Namespace, rows: list, device: torch.device, wor
             print("\n".join(f"MEMTRACE {line}" for line in format_breakdown(trace).splitlines()))
     else:
         steps()
+    mark("steps")
+    if rss and dist.get_rank() == 0:
+        print("\n".join(f"RSSTRACE {line}" for line in rss.report()))
     result = meter.result(args.window)
     if args.profile_steps and dist.get_rank() == 0:
         _profile(step, args.profile_steps)
