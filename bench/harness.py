@@ -170,6 +170,9 @@ SUITES: dict[str, list[Run]] = {
     # row per micro-batch), each profiled (kernels, NCCL against compute, host calls, DeepSpeed's Python).
     "zero3-profile-7b-2gpu": [Run("zerolab-torchrun", "qwen2.5-7b", gpus=2, stage=stage, steps=8, window=4, variant="mb1", profile_steps=2,
                                   timeout_s=240) for stage in (2, 3)],
+    # ZeRO-2's step on one GPU, one packed 4k row per micro-batch (host-bound: run it from two checkouts
+    # side by side to compare the step's code).
+    "zero2-step-7b": [Run("zerolab", "qwen2.5-7b", stage=2, steps=12, window=6, variant="mb1", timeout_s=240)],
     # ZeRO-3's step on one GPU (no interconnect: what the hooks and gathers cost by themselves).
     "zero3-profile-7b": [Run("zerolab-torchrun", "qwen2.5-7b", stage=stage, steps=8, window=4, variant="mb1", profile_steps=2,
                              timeout_s=240) for stage in (2, 3)],

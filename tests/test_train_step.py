@@ -100,6 +100,56 @@ def test_first_adamw_step_in_bf16_moves_each_weight_by_the_learning_rate(stage):
     assert moved.abs().mean().item() / 1e-2 == pytest.approx(1.0, abs=0.05)
 
 
+def step_checks_worker(rank: int, port: int, results: dict) -> None:
+    """One bf16 ZeRO-2 step with gradient clipping, DeepSpeed's own gradient checks against zerolab's
+    batched ones (``train.batch_zero_step_checks``), once clean and once with rank 0's gradient of one
+    weight made NaN."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                      DS_ACCELERATOR="cpu")
+    import deepspeed
+
+    from zerolab.config import load_config
+    from zerolab.models import load_model
+    from zerolab.train import initialize_engine, optimizer_step
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    cfg = load_config(None, ["adapter.method=full", "train.lr=1e-2", "train.warmup_ratio=0", "train.lr_scheduler=constant"])
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ACCUM, "gradient_clipping": 1.0,
+              "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True, "bf16": {"enabled": True}}
+    for batched in (False, True):
+        for poisoned in (False, True):
+            torch.manual_seed(0)
+            engine = initialize_engine(load_model(cfg.model, torch.bfloat16), cfg, config, total_steps=10)
+            assert "get_grad_norm_direct" in vars(engine.optimizer)  # applied
+            if not batched:  # back to DeepSpeed's own methods
+                del engine.optimizer.check_overflow, engine.optimizer.get_grad_norm_direct
+            weight = engine.module.model.layers[0].mlp.down_proj.weight
+            if poisoned and rank == 0:
+                weight.register_hook(lambda g: torch.full_like(g, float("nan")))
+            before = {k: p.detach().float().clone() for k, p in engine.module.named_parameters()}
+            optimizer_step(engine, micro_batches(rank), torch.device("cpu"))
+            if rank == 0:
+                applied = {k: before[k] - p.detach().float() for k, p in engine.module.named_parameters()}
+                results[(batched, poisoned)] = (float(engine.get_global_grad_norm()), applied)
+
+
+@pytest.mark.slow
+def test_batched_zero2_step_checks_give_deepspeeds_norm_update_and_skipped_step():
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(step_checks_worker, args=(free_port(), results), nprocs=2)
+        results = dict(results)
+    (own_norm, own), (norm, applied) = results[(False, False)], results[(True, False)]
+    assert norm == pytest.approx(own_norm, rel=1e-3) and 0 < norm < float("inf")
+    assert norm > 1.0  # clipping applied in both
+    for key, delta in own.items():
+        torch.testing.assert_close(applied[key], delta, rtol=0.02, atol=1e-4, msg=key)
+    assert any(d.abs().max() > 0 for d in applied.values())
+    for batched in (False, True):  # a NaN gradient on one rank: the step is skipped on every rank's record
+        _, skipped = results[(batched, True)]
+        assert all(d.abs().max() == 0 for d in skipped.values()), batched
+
+
 def fused_loss_worker(rank: int, port: int, results: dict) -> None:
     """ZeRO-3 partitions the head's weight, and the fused loss (Liger's, here a plain-torch stand-in
     of the same function) reads it outside the head's forward: DeepSpeed must gather it there, and
