@@ -173,6 +173,11 @@ SUITES: dict[str, list[Run]] = {
     # ZeRO-2's step on one GPU, one packed 4k row per micro-batch (host-bound: run it from two checkouts
     # side by side to compare the step's code).
     "zero2-step-7b": [Run("zerolab", "qwen2.5-7b", stage=2, steps=12, window=6, variant="mb1", timeout_s=240)],
+    # 7B on one GPU, one packed 4k row: ZeRO-0 against ZeRO-2 (its step's checks batched) and ZeRO-2 with
+    # the FP8 base products, alternating, twice each.
+    "single-7b-z2-fp8": [Run("zerolab", "qwen2.5-7b", stage=stage, steps=12, window=6, variant=f"{label}-{rep}", timeout_s=240,
+                             overrides=(f"model.fp8={str(fp8).lower()}",))
+                         for rep in (1, 2) for stage, label, fp8 in ((0, "bf16", False), (2, "bf16", False), (2, "fp8", True))],
     # ZeRO-3's step on one GPU (no interconnect: what the hooks and gathers cost by themselves).
     "zero3-profile-7b": [Run("zerolab-torchrun", "qwen2.5-7b", stage=stage, steps=8, window=4, variant="mb1", profile_steps=2,
                              timeout_s=240) for stage in (2, 3)],
