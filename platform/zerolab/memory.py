@@ -1051,7 +1051,9 @@ class _Estimator:
         of the gradient all-reduce, min(T, 5e8)·e; in bf16/fp16 the fp32 gradient copies the step
         reads, 4·T. ZeRO 1-2: reduce buckets (two with overlap_comm) of reduce_bucket_size·e and the
         fp32 gradient partition of the step, 4·⌈T/N⌉. ZeRO-3: one reduce bucket and the fp32
-        gradient partition. Offload: the buckets only (the gradient staging buffer is held all along:
+        gradient partition, which the step makes from a flattened 16-bit copy of the gradients
+        (``_prepare_fp32_grad_for_sub_group``: e·⌈T/N⌉ more while both exist; in fp32 the copy is the
+        partition itself). Offload: the buckets only (the gradient staging buffer is held all along:
         :meth:`offload_gradient_buffer`)."""
         e, k = self.e, self.knobs
         if self.stage == 0:
@@ -1060,7 +1062,8 @@ class _Estimator:
         buckets = (2 if k.overlap_comm and self.stage < 3 else 1) * min(k.reduce_bucket_size, max(self.T, 1)) * e
         if self.offload_opt:
             return buckets
-        return buckets + 4 * self._part(self.T)
+        flattened = e * self._part(self.T) if self.stage == 3 and e != 4 else 0
+        return buckets + 4 * self._part(self.T) + flattened
 
     def activation_bytes_per_layer(self) -> int:
         """Bytes one decoder layer saves for backward, per token, without checkpointing.
