@@ -215,7 +215,7 @@ CASES: dict[str, list[Case]] = {
     # The fifth held-out set, after ZeRO-3's flattened gradient copy and the load-time host baseline
     # (fitted to set D's misses and an RSS trace): one GPU, fitted to nothing.
     "held-out-e": [
-        Case("qwen2.5-0.5b", "full", 3, micro_batch=8, seq_len=256, packing=False, data="mix", steps=4),
+        Case("qwen2.5-0.5b", "full", 3, micro_batch=8, seq_len=512, packing=False, data="mix", steps=4),
         Case("qwen2.5-0.5b", "rslora", 3, micro_batch=2, seq_len=2048, data="mix", steps=4),
         Case("qwen2.5-0.5b", "adalora", 0, micro_batch=16, seq_len=128, packing=False, precision="fp32", steps=4),
         Case("qwen2.5-0.5b", "dora", 2, micro_batch=4, seq_len=1024, data="mix", steps=4),
