@@ -196,6 +196,28 @@ def test_zero3_step_flattens_a_16bit_copy_of_the_gradient_partition():
     assert two.device["deepspeed buffers"] == buckets + 6 * math.ceil(T / 2)
 
 
+def test_a_gpu_process_reading_the_whole_checkpoint_does_so_before_its_first_steps_baseline():
+    """The model-load phase of a GPU process that holds the whole checkpoint (ZeRO-3's rank 0, a
+    dtype conversion) leaves out what the first steps load (an RSS trace on one H100: 0.47 GiB); a
+    lazy bf16 load under ZeRO 0-2, a ZeRO-3 load that fills offloaded partitions and CPU runs keep it."""
+    bf16_file = {**QWEN25_05B, "torch_dtype": "bfloat16"}
+    first = memory.DEFAULT_CALIBRATION.host_gpu_first_steps_bytes
+    without = dataclasses.replace(memory.DEFAULT_CALIBRATION, host_gpu_first_steps_bytes=0)
+
+    def lowered(*overrides: str, gpu: bool = True) -> int:
+        cfg = load_config(None, [f"scaling.use_gpu={str(gpu).lower()}", "scaling.num_workers=1", *overrides])
+        est, full = memory.estimate(cfg, bf16_file), memory.estimate(cfg, bf16_file, calibration=without)
+        assert est.host_worker_phases["training"] == full.host_worker_phases["training"]
+        return full.host_worker_phases["model load"] - est.host_worker_phases["model load"]
+
+    assert 400 * 2**20 < first < 520 * 2**20
+    assert lowered("deepspeed.stage=3") == first
+    assert lowered("deepspeed.stage=0", "train.precision=fp32") == first
+    assert lowered("deepspeed.stage=2") == 0
+    assert lowered("deepspeed.stage=3", "deepspeed.offload_optimizer=true", "deepspeed.offload_param=true") == 0
+    assert lowered("deepspeed.stage=3", gpu=False) == 0
+
+
 def test_zero1_offload_held_out_run_at_the_micro_batches_it_ran():
     """The held-out run (0.5B full, ZeRO-1 + optimizer offload, 2 × H200, micro-batch 8 padded):
     its 4 steps met rows of at most 120 tokens (the shard's 481-512-token rows, one in 85, came later),

@@ -71,11 +71,17 @@ def worker(rank: int, stage: int, mode: str, port: int, results: dict) -> None:
         results["norm"] = None if norm is None else float(norm)
 
 
-def run_step(stage: int, mode: str) -> tuple[dict[str, torch.Tensor], float | None]:
+def on_two_ranks(target, *args: object) -> dict:
+    """Run ``target(rank, *args, port, results)`` on two spawned ranks; returns what they put in ``results``."""
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(worker, args=(stage, mode, free_port(), results), nprocs=2)
-        return results["applied"], results["norm"]
+        mp.spawn(target, args=(*args, free_port(), results), nprocs=2)
+        return dict(results)
+
+
+def run_step(stage: int, mode: str) -> tuple[dict[str, torch.Tensor], float | None]:
+    results = on_two_ranks(worker, stage, mode)
+    return results["applied"], results["norm"]
 
 
 @pytest.mark.slow
@@ -135,10 +141,7 @@ def step_checks_worker(rank: int, port: int, results: dict) -> None:
 
 @pytest.mark.slow
 def test_batched_zero2_step_checks_give_deepspeeds_norm_update_and_skipped_step():
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(step_checks_worker, args=(free_port(), results), nprocs=2)
-        results = dict(results)
+    results = on_two_ranks(step_checks_worker)
     (own_norm, own), (norm, applied) = results[(False, False)], results[(True, False)]
     assert norm == pytest.approx(own_norm, rel=1e-3) and 0 < norm < float("inf")
     assert norm > 1.0  # clipping applied in both
@@ -201,10 +204,7 @@ def fused_loss_worker(rank: int, port: int, results: dict) -> None:
 
 @pytest.mark.slow
 def test_fused_loss_reads_the_zero3_partitioned_head():
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(fused_loss_worker, args=(free_port(), results), nprocs=2)
-        results = dict(results)
+    results = on_two_ranks(fused_loss_worker)
     for got, expected, head_shape in results.values():
         assert got == pytest.approx(expected, rel=1e-5)
         assert 0 in head_shape  # partitioned again after the loss
@@ -283,10 +283,7 @@ def test_zero3_leaf_layers_train_as_per_module_zero3_and_zero2(method, gradient_
     """Gradients of leaf parameters are reduced by one hook per layer after its backward pass; the
     first layer's input comes from frozen embeddings under LoRA, where that hook would fire before
     the layer's backward had produced them (the gradients then arrive after the reduction)."""
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(leaf_worker, args=(method, gradient_checkpointing, free_port(), results), nprocs=2)
-        results = dict(results)
+    results = on_two_ranks(leaf_worker, method, gradient_checkpointing)
     losses, grads, weights = results["ZeRO-3 leaf layers"]
     layer0 = [n for n in grads if ".layers.0." in n]
     assert layer0 and len(grads) > len(layer0)
@@ -327,10 +324,7 @@ def test_compiled_decoder_layers_train_as_eager_ones_under_zero2_and_zero3(gradi
     """``model.compile`` under DeepSpeed on 2 ranks: ZeRO-2 (fused LoRA inside the compiled layer)
     and ZeRO-3 with leaf layers (the gathers stay in the eager hooks around the compiled forward),
     with and without recomputation: the losses, gradients and updated weights of eager layers."""
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(compile_worker, args=(gradient_checkpointing, free_port(), results), nprocs=2)
-        results = dict(results)
+    results = on_two_ranks(compile_worker, gradient_checkpointing)
     for name in ("ZeRO-2", "ZeRO-3 leaf layers"):
         graphs, breaks = results[(name, "graphs")]
         assert 0 < graphs <= 4 and not breaks, (name, graphs, breaks)  # one graph per shape serves every layer, whole
@@ -382,10 +376,7 @@ def test_zero3_gathers_each_decoder_layer_in_one_collective():
     """A forward pass with nothing prefetched or reused gathers the embedding, each decoder layer's
     partitioned weights in one collective, and the tied head (per module: 22 collectives, the
     tiny model's layers having five partitioned weights each)."""
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(gather_count_worker, args=(free_port(), results), nprocs=2)
-        results = dict(results)
+    results = on_two_ranks(gather_count_worker)
     for num_layers, registered, gathers in results.values():
         assert num_layers == 4 and registered
         assert gathers == num_layers + 2
