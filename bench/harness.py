@@ -178,6 +178,10 @@ SUITES: dict[str, list[Run]] = {
     "single-7b-z2-fp8": [Run("zerolab", "qwen2.5-7b", stage=stage, steps=12, window=6, variant=f"{label}-{rep}", timeout_s=240,
                              overrides=(f"model.fp8={str(fp8).lower()}",))
                          for rep in (1, 2) for stage, label, fp8 in ((0, "bf16", False), (2, "bf16", False), (2, "fp8", True))],
+    # The 7B target's candidates on one GPU: ZeRO-0 (the lease's reference) and ZeRO-2 with 1 and 2 packed
+    # 4k rows per micro-batch.
+    "single-7b-z2-rows": [Run("zerolab", "qwen2.5-7b", stage=stage, micro_batch=mb, steps=12, window=6, variant=f"mb{mb}", timeout_s=240)
+                          for stage, mb in ((0, 1), (2, 1), (2, 2))],
     # ZeRO-3's step on one GPU (no interconnect: what the hooks and gathers cost by themselves).
     "zero3-profile-7b": [Run("zerolab-torchrun", "qwen2.5-7b", stage=stage, steps=8, window=4, variant="mb1", profile_steps=2,
                              timeout_s=240) for stage in (2, 3)],
