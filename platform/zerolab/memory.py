@@ -143,17 +143,19 @@ DEFAULT_CALIBRATION = Calibration()
 
 RELATIVE_STEP_TIME: dict[tuple[int, OffloadMode], float] = {
     (0, "none"): 1.0,
-    (1, "none"): 1.05,
-    (2, "none"): 1.1,
+    (1, "none"): 0.9,
+    (2, "none"): 0.85,
     (3, "none"): 1.3,
     (1, "optimizer"): 2.0,
     (2, "optimizer"): 2.0,
     (3, "optimizer"): 2.5,
     (3, "all"): 3.5,
 }
-"""Rough step time of each option relative to ZeRO-0, used only to rank options (the seeds'
-measurements: stages 0-2 about equal with adapters, ZeRO-3 pays for gathering parameters,
-offload 2-3× slower, ZeRO-3 with full offload up to 6× on 14B LoRA)."""
+"""Rough step time of each option relative to ZeRO-0, used only to rank options. ZeRO-2, its step's
+checks batched by zerolab (``train.batch_zero_step_checks``), measured 0.77-0.87× ZeRO-0's step for
+a 7B LoRA on one H100 (docs/benchmark.md, leases h100-24 and h100-26); ZeRO-1 shares that optimizer
+(not measured). The rest from the seeds' measurements: ZeRO-3 pays for gathering parameters,
+offload 2-3× slower, ZeRO-3 with full offload up to 6× on 14B LoRA."""
 
 
 # --- the model: parameters by module, from the config alone ------------------------------------
@@ -1405,7 +1407,7 @@ def plan_options(cfg: SFTConfig, model_config: Any, limits: Limits | None = None
 def recommend(cfg: SFTConfig, model_config: Any, limits: Limits | None = None, *,
               rows: list[PlanRow] | None = None, calibration: Calibration = DEFAULT_CALIBRATION,
               data: ShardLengths | None = None) -> Recommendation | None:
-    """The fastest option that fits ``limits`` (ZeRO-0 when it fits; ZeRO-3 and offload only to
+    """The fastest option that fits ``limits`` (ZeRO-2 when it fits; ZeRO-3 and offload only to
     fit), with the reason. When none fits, tries one worker per available GPU (if the job asks
     for more workers than there are GPUs), gradient checkpointing, then halving the micro-batch;
     returns None if even micro-batch 1 with checkpointing does not fit. ``data`` as in
@@ -1457,8 +1459,9 @@ def _fit_figures(row: PlanRow) -> str:
 def _reason(best: PlanRow, rows: list[PlanRow]) -> str:
     faster = [r for r in rows if r.estimate is not None and RELATIVE_STEP_TIME[(r.option.stage, r.option.offload)]
               < RELATIVE_STEP_TIME[(best.option.stage, best.option.offload)]]
-    if best.option == Option(0):
-        why = "the fastest option: plain data parallel, no parameter gathering, no offload traffic"
+    if best.option == Option(2):
+        why = ("the fastest option: no parameter gathering, no offload traffic, and a shorter step than ZeRO-0's "
+               "(measured on one H100, docs/benchmark.md)")
     elif not faster:
         why = "the fastest option allowed for this config"
     else:
