@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -84,7 +85,6 @@ class RssTrace:
 
     def __init__(self) -> None:
         import threading
-        import time
 
         import psutil
 
@@ -94,8 +94,6 @@ class RssTrace:
         threading.Thread(target=self._sample, daemon=True).start()
 
     def _sample(self) -> None:
-        import time
-
         while True:
             self.samples.append((self._clock(), self._process.memory_info().rss))
             time.sleep(0.02)
@@ -215,7 +213,6 @@ def _profile(step, n: int) -> None:
     Python time by function (DeepSpeed's ZeRO-3 hooks run there)."""
     import cProfile
     import pstats
-    import time
 
     from torch.profiler import ProfilerActivity, profile
 

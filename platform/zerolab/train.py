@@ -497,6 +497,7 @@ def batch_zero_step_checks(optimizer: Any) -> bool:
     ``compute_grad_norm=false``) or is taken elsewhere (optimizer offload). Nothing else of the step
     changes; ``tests/test_train_step.py`` checks the step against DeepSpeed's own on CPU.
     """
+    from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     if (not isinstance(optimizer, DeepSpeedZeroOptimizer) or optimizer.dtype != torch.bfloat16 or optimizer.cpu_offload
@@ -507,8 +508,6 @@ def batch_zero_step_checks(optimizer: Any) -> bool:
         optimizer.overflow = False
 
     def get_grad_norm_direct(gradients: list, params: list, norm_type: float = 2) -> torch.Tensor:
-        from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
-
         grads = [g for g in gradients if not getattr(g, "_zero_padding", False)]
         if float(norm_type) != 2.0 or not grads or optimizer.model_parallel_world_size > 1:
             return DeepSpeedZeroOptimizer.get_grad_norm_direct(optimizer, gradients, params, norm_type)
