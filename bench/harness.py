@@ -182,6 +182,10 @@ SUITES: dict[str, list[Run]] = {
     # 4k rows per micro-batch.
     "single-7b-z2-rows": [Run("zerolab", "qwen2.5-7b", stage=stage, micro_batch=mb, steps=12, window=6, variant=f"mb{mb}", timeout_s=240)
                           for stage, mb in ((0, 1), (2, 1), (2, 2))],
+    # ZeRO-2's 7B step on one GPU in bf16 and with FP8 base products, profiled: the GPU's own time per
+    # step against the unprofiled step time says whether the step waits for the host or the GPU.
+    "zero2-profile-7b": [Run("zerolab-torchrun", "qwen2.5-7b", stage=2, steps=8, window=4, variant=f"{label}-mb1", profile_steps=2,
+                             timeout_s=240, overrides=(f"model.fp8={v}",)) for label, v in (("bf16", "false"), ("fp8", "true"))],
     # ZeRO-3's step on one GPU (no interconnect: what the hooks and gathers cost by themselves).
     "zero3-profile-7b": [Run("zerolab-torchrun", "qwen2.5-7b", stage=stage, steps=8, window=4, variant="mb1", profile_steps=2,
                              timeout_s=240) for stage in (2, 3)],
