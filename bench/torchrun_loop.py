@@ -238,6 +238,15 @@ def _profile(step, n: int) -> None:
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:30]:
         print(f"PROFILE   {100 * e.self_device_time_total / total:5.1f}%  {e.count // n:5d}/step  {e.key[:110]}")
     _print_overlap(prof.events(), n)
+    # The host's side slows under the profiler above; recording the GPU's activity alone keeps its
+    # pace, so the gaps between kernels are the ones of an unprofiled step.
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as quiet:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    _print_idle_gaps(quiet.events(), n, (time.perf_counter() - start) * 1e3 / n)
     host = sorted((e for e in prof.key_averages() if e.device_type.name == "CPU" and e.key.startswith("cuda")),
                   key=lambda e: -e.self_cpu_time_total)[:8]
     for e in host:
@@ -286,6 +295,27 @@ def _print_overlap(events, n: int) -> None:
     per = 1e3 * n
     print(f"PROFILE timeline per step: span {(last - first) / per:.1f} ms, compute {length(c) / per:.1f} ms, NCCL {length(m) / per:.1f} ms "
           f"({overlap / per:.1f} ms of it under compute), idle {(last - first - length(both)) / per:.1f} ms")
+
+
+def _print_idle_gaps(events, n: int, wall_ms: float, min_gap_us: float = 20.0, top: int = 15) -> None:
+    """Where the GPU waits for the host: the gaps between consecutive kernels (CUDA activity only)
+    of at least ``min_gap_us``, summed per step by the kernels on either side, the largest first."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                   if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0)
+    if not spans:
+        return
+    gaps: dict[tuple[str, str], list[float]] = {}
+    end, before = spans[0][1], spans[0][2]
+    for a, b, name in spans[1:]:
+        if a - end >= min_gap_us:
+            gaps.setdefault((before[:40], name[:40]), []).append(a - end)
+        if b > end:
+            end, before = b, name
+    idle = sum(sum(g) for g in gaps.values())
+    print(f"PROFILE GPU activity only: {wall_ms:.1f} ms/step wall, gaps >= {min_gap_us:.0f} us {idle / 1e3 / n:.1f} ms/step "
+          f"({sum(len(g) for g in gaps.values()) // n}/step); the largest, by the kernels before and after:")
+    for (prev, nxt), g in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(f"PROFILE gap {sum(g) / 1e3 / n:7.2f} ms/step {len(g) // n:5d}/step  {prev} -> {nxt}")
 
 
 def _device_name(device: torch.device) -> str:
