@@ -36,6 +36,28 @@ def _record_environment(record_testsuite_property) -> None:
     record_testsuite_property("commit", os.environ.get("ZEROLAB_COMMIT") or _checkout_commit())
 
 
+_BACKGROUND: list = []
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """DeepSpeed compiles its CPU Adam op, the optimizer of every offload run, at its first use: about a
+    minute on two cores of a fresh machine, while the first offload test waits. When offload tests
+    are collected, a process builds it on one core from the session's start, beside the tests that
+    need no compiler; an offload test that comes first waits for the build (torch's extension lock)."""
+    import subprocess
+    import sys
+
+    if any("offload" in item.nodeid for item in session.items):
+        _BACKGROUND.append(subprocess.Popen(
+            [sys.executable, "-c", "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"],
+            env={**os.environ, "MAX_JOBS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for proc in _BACKGROUND:  # never killed: a build stopped halfway leaves its lock behind
+        proc.wait()
+
+
 def _checkout_commit() -> str:
     """The commit of this checkout (``-dirty`` with changed tracked files), or ``unknown``: also for a
     copy without ``.git`` (``git archive``) inside another repository, whose commit it is not (set

@@ -440,3 +440,21 @@ def test_stale_build_locks_are_removed_and_live_ones_kept(tmp_path, monkeypatch)
     os.utime(stale, (old, old))
     assert clear_stale_build_locks() == [stale]
     assert not stale.exists() and live.exists()
+
+
+def test_a_cpu_process_group_builds_no_inference_only_deepspeed_op(tmp_path):
+    """A CPU job's process group forms without compiling DeepSpeed's shared-memory all-reduce, which
+    only DeepSpeed's inference calls (it cost ~30 s at the first job of every machine)."""
+    import subprocess
+    import sys
+
+    code = ("import deepspeed.comm.comm as c\n"
+            "from zerolab.train import init_distributed\n"
+            "init_distributed('gloo', auto_mpi_discovery=False)\n"
+            "assert c.cdb.shm_comm_op is None, c.cdb.shm_comm_op\n")
+    extensions = tmp_path / "extensions"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(extensions), "RANK": "0", "LOCAL_RANK": "0",
+           "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert not list(extensions.rglob("*shm*"))

@@ -71,9 +71,7 @@ class RayWorker:
 
     @contextlib.contextmanager
     def process_group(self, backend: str) -> Iterator[None]:
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend=backend)  # Ray Train set the rendezvous variables
+        init_distributed(backend)  # Ray Train set the rendezvous variables
         yield
 
     def rows(self, split: str) -> list[tuple[np.ndarray, np.ndarray]] | None:
@@ -144,8 +142,6 @@ class InDriver:
         """A one-rank process group on a free local port (DeepSpeed needs one), the rendezvous
         variables set only while it lives: the process goes on after the run (a Tune trial's
         actor trains the next trial)."""
-        import deepspeed
-
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
@@ -154,7 +150,7 @@ class InDriver:
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+            init_distributed(backend, auto_mpi_discovery=False)
             yield
         finally:
             if dist.is_initialized():
@@ -194,6 +190,22 @@ class InDriver:
             import ray.tune
 
             ray.tune.report({**metrics, **({"checkpoint_path": checkpoint.path} if checkpoint else {})})
+
+
+SHM_COMM_OP = "deepspeed_shm_comm"
+"""DeepSpeed's shared-memory all-reduce op for CPU processes: only its inference path
+(``inference_all_reduce``) calls it, yet its CPU accelerator compiles it at the first process
+group of every machine (about 30 s on two cores). Training never uses it, so it is not built."""
+
+
+def init_distributed(backend: str, **kwargs: Any) -> None:
+    """``deepspeed.init_distributed`` without building :data:`SHM_COMM_OP` (DeepSpeed skips an op
+    marked incompatible and falls back to the process group's all-reduce)."""
+    import deepspeed
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
+    deepspeed.init_distributed(dist_backend=backend, **kwargs)
 
 
 def _forget_deepspeed_groups() -> None:
