@@ -150,18 +150,17 @@ def plain_loop(args: argparse.Namespace, rows: list, device: torch.device, world
 
 def zerolab_loop(args: argparse.Namespace, rows: list, device: torch.device, world: int,
                  meter: StepMeter, rss: RssTrace | None = None) -> tuple[int, int, dict]:
-    import deepspeed
     from transformers import AutoConfig
 
     from zerolab import ds_config
     from zerolab.batches import MicroBatches
     from zerolab.config import load_config
     from zerolab.models import load_tokenizer
-    from zerolab.train import _build_model, _seed_everything, initialize_engine, optimizer_step
+    from zerolab.train import _build_model, _seed_everything, init_distributed, initialize_engine, optimizer_step
 
     cfg = load_config(None, [*args.set, f"model.name_or_path={args.model}", f"scaling.num_workers={world}",
                              f"train.max_steps={args.steps}"])
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    init_distributed("nccl" if device.type == "cuda" else "gloo")
     _seed_everything(cfg.train.seed + dist.get_rank())
     resolved = ds_config.resolve(cfg, AutoConfig.from_pretrained(args.model).hidden_size)
     batches = MicroBatches(rows, micro_batch_size=cfg.train.micro_batch_size, max_seq_length=cfg.data.max_seq_length,
