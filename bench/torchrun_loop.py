@@ -208,20 +208,16 @@ def zerolab_loop(args: argparse.Namespace, rows: list, device: torch.device, wor
 def _profile(step, n: int) -> None:
     """Print where ``n`` steps spend their time: GPU time by kernel (the 30 largest) and by kind,
     how much of the step the GPU computes, communicates or idles (NCCL overlapped with compute or
-    not), the host's blocking CUDA calls; then, over ``n`` more steps under cProfile, the host's
-    Python time by function (DeepSpeed's ZeRO-3 hooks run there)."""
+    not), the host's blocking CUDA calls; then, over ``n`` more steps with the GPU's activity alone
+    recorded, where the GPU waits for the host (:func:`_print_idle_gaps`); then, over ``n`` more
+    steps under cProfile, the host's Python time by function (DeepSpeed's ZeRO-3 hooks run there)."""
     import cProfile
     import pstats
 
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
-    start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            step()
-        torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - start) * 1e3 / n
+        wall_ms = _timed_steps(step, n)
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]  # kernels, not the operators launching them
     total = sum(e.self_device_time_total for e in events) or 1.0
     kinds = {"attention": ("flash", "fmha", "attention"), "matmul (gemm)": ("gemm", "cutlass", "nvjet", "sm90", "cublas", "splitk"),
@@ -237,19 +233,15 @@ def _profile(step, n: int) -> None:
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:30]:
         print(f"PROFILE   {100 * e.self_device_time_total / total:5.1f}%  {e.count // n:5d}/step  {e.key[:110]}")
     _print_overlap(prof.events(), n)
-    # The host's side slows under the profiler above; recording the GPU's activity alone keeps its
-    # pace, so the gaps between kernels are the ones of an unprofiled step.
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CUDA]) as quiet:
-        for _ in range(n):
-            step()
-        torch.cuda.synchronize()
-    _print_idle_gaps(quiet.events(), n, (time.perf_counter() - start) * 1e3 / n)
     host = sorted((e for e in prof.key_averages() if e.device_type.name == "CPU" and e.key.startswith("cuda")),
                   key=lambda e: -e.self_cpu_time_total)[:8]
     for e in host:
         print(f"PROFILE host {e.key:40s} {e.count // n:6d}/step  {e.self_cpu_time_total / 1e3 / n:8.1f} ms/step")
+    # The host's side slows under the profiler above; recording the GPU's activity alone keeps its
+    # pace, so the gaps between kernels are the ones of an unprofiled step.
+    with profile(activities=[ProfilerActivity.CUDA]) as quiet:
+        wall_ms = _timed_steps(step, n)
+    _print_idle_gaps(quiet.events(), n, wall_ms)
     py = cProfile.Profile()
     py.enable()
     for _ in range(n):
@@ -262,6 +254,17 @@ def _profile(step, n: int) -> None:
     for (file, line, func), (_, calls, own, cum, _) in rows:
         where = file.split("site-packages/")[-1].split("/platform/")[-1]
         print(f"PROFILE py {own * 1e3 / n:8.1f} ms/step own {cum * 1e3 / n:8.1f} cum {calls // n:7d}/step  {where}:{line}({func})")
+
+
+def _timed_steps(step, n: int) -> float:
+    """Milliseconds per step of ``n`` steps, from an idle GPU to the last kernel's end (inside a
+    profiler's block: its processing of the trace afterwards is not counted)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / n
 
 
 def _print_overlap(events, n: int) -> None:

@@ -43,16 +43,24 @@ def reference_gradient() -> tuple[dict[str, torch.Tensor], float]:
     return grads, torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()])).item()
 
 
-def worker(rank: int, stage: int, mode: str, port: int, results: dict) -> None:
+def join_group(rank: int, port: int) -> None:
+    """Join a two-rank gloo process group on this machine's CPU as the jobs form it
+    (``zerolab.train.init_distributed``)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
                       DS_ACCELERATOR="cpu")
+    from zerolab.train import init_distributed
+
+    init_distributed("gloo")
+
+
+def worker(rank: int, stage: int, mode: str, port: int, results: dict) -> None:
+    join_group(rank, port)
     import deepspeed
 
     from zerolab.config import load_config
     from zerolab.models import load_model
     from zerolab.train import initialize_engine, optimizer_step
 
-    deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ACCUM, "gradient_clipping": 0.0,
               "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
@@ -110,15 +118,12 @@ def step_checks_worker(rank: int, port: int, results: dict) -> None:
     """One bf16 ZeRO-2 step with gradient clipping, DeepSpeed's own gradient checks against zerolab's
     batched ones (``train.batch_zero_step_checks``), once clean and once with rank 0's gradient of one
     weight made NaN."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                      DS_ACCELERATOR="cpu")
-    import deepspeed
+    join_group(rank, port)
 
     from zerolab.config import load_config
     from zerolab.models import load_model
     from zerolab.train import initialize_engine, optimizer_step
 
-    deepspeed.init_distributed(dist_backend="gloo")
     cfg = load_config(None, ["adapter.method=full", "train.lr=1e-2", "train.warmup_ratio=0", "train.lr_scheduler=constant"])
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ACCUM, "gradient_clipping": 1.0,
               "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True, "bf16": {"enabled": True}}
@@ -162,8 +167,7 @@ def fused_loss_worker(rank: int, port: int, results: dict) -> None:
 
     import torch.nn.functional as F
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                      DS_ACCELERATOR="cpu")
+    join_group(rank, port)
     import deepspeed
 
     from zerolab import kernels
@@ -176,7 +180,6 @@ def fused_loss_worker(rank: int, port: int, results: dict) -> None:
     functional = types.ModuleType("liger_kernel.transformers.functional")
     functional.liger_fused_linear_cross_entropy = fused
     sys.modules["liger_kernel.transformers.functional"] = functional
-    deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     model = load_model(ModelSpec(), torch.float32)
     model.config.use_cache = False
@@ -235,11 +238,8 @@ def leaf_config(stage: int, leaf: bool, method: str, gradient_checkpointing: boo
 
 
 def leaf_worker(rank: int, method: str, gradient_checkpointing: bool, port: int, results: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                      DS_ACCELERATOR="cpu")
-    import deepspeed
+    join_group(rank, port)
 
-    deepspeed.init_distributed(dist_backend="gloo")
     for name, (stage, leaf) in LEAF_VARIANTS.items():  # ZeRO-2 first: _build_model keeps ZeRO-3's HfDeepSpeedConfig
         trained = train_variant(rank, stage, leaf, method, gradient_checkpointing)
         if rank == 0:
@@ -299,11 +299,8 @@ def test_zero3_leaf_layers_train_as_per_module_zero3_and_zero2(method, gradient_
 
 
 def compile_worker(rank: int, gradient_checkpointing: bool, port: int, results: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                      DS_ACCELERATOR="cpu")
-    import deepspeed
+    join_group(rank, port)
 
-    deepspeed.init_distributed(dist_backend="gloo")
     import torch._dynamo
 
     counters = torch._dynamo.utils.counters
@@ -337,8 +334,7 @@ def test_compiled_decoder_layers_train_as_eager_ones_under_zero2_and_zero3(gradi
 
 
 def gather_count_worker(rank: int, port: int, results: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                      DS_ACCELERATOR="cpu")
+    join_group(rank, port)
     import deepspeed
     import deepspeed.comm
     from deepspeed.utils import z3_leaf_module
@@ -346,7 +342,6 @@ def gather_count_worker(rank: int, port: int, results: dict) -> None:
     from zerolab.models import decoder_layers
     from zerolab.train import _build_model, initialize_engine, optimizer_step
 
-    deepspeed.init_distributed(dist_backend="gloo")
     cfg, resolved = leaf_config(3, True, "lora", False)
     engine = initialize_engine(_build_model(cfg, resolved, total_steps=10), cfg, resolved, total_steps=10)
     layers = decoder_layers(engine.module)
