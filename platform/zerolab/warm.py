@@ -206,8 +206,8 @@ class WarmTrainer:
 
         self.busy, self.keep_warm_s = True, cfg.scaling.keep_warm_s
         self.jobs += 1
-        lines: queue.Queue[dict[str, Any]] = queue.Queue()
-        self.relay.lines = lines
+        records: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.relay.records = records
         root = logging.getLogger()
         level = root.level
         root.addHandler(self.relay)  # the libraries' records as well, as the job's own process would show them
@@ -226,9 +226,9 @@ class WarmTrainer:
         thread = threading.Thread(target=target, name="zerolab-warm-job")
         try:
             thread.start()
-            while thread.is_alive() or not lines.empty():
+            while thread.is_alive() or not records.empty():
                 try:
-                    yield "log", lines.get(timeout=0.2)
+                    yield "log", records.get(timeout=0.2)
                 except queue.Empty:
                     pass
             if "error" in outcome:
@@ -241,7 +241,7 @@ class WarmTrainer:
         finally:
             root.removeHandler(self.relay)
             root.setLevel(level)
-            self.relay.lines = None
+            self.relay.records = None
             os.chdir(saved_cwd)
             os.environ.clear()
             os.environ.update(saved_env)
@@ -255,15 +255,15 @@ class _RelayHandler(logging.Handler):
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
-        self.lines: queue.Queue[dict[str, Any]] | None = None
+        self.records: queue.Queue[dict[str, Any]] | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
-        lines = self.lines
-        if lines is None:
+        records = self.records
+        if records is None:
             return
         if record.exc_info and not record.exc_text:
             record.exc_text = logging.Formatter().formatException(record.exc_info)
-        lines.put({**record.__dict__, "msg": record.getMessage(), "args": None, "exc_info": None})
+        records.put({**record.__dict__, "msg": record.getMessage(), "args": None, "exc_info": None})
 
 
 def _portable(exc: BaseException) -> BaseException:
