@@ -307,20 +307,14 @@ class _LoRALinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight, lora_a, lora_b, h = ctx.saved_tensors
-        grad_h = _mm_times(grad, lora_b, ctx.scale)
+        grad_h = (grad @ lora_b).mul_(ctx.scale)
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = ctx.fp8.input_grad(grad) if ctx.fp8 is not None else grad @ weight
             grad_x.addmm_(grad_h, lora_a)
         grad_a = grad_h.t() @ x if ctx.needs_input_grad[3] else None
-        grad_b = _mm_times(grad.t(), h, ctx.scale) if ctx.needs_input_grad[4] else None
+        grad_b = (grad.t() @ h).mul_(ctx.scale) if ctx.needs_input_grad[4] else None
         return grad_x, None, None, grad_a, grad_b, None, None
-
-
-def _mm_times(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """``scale·(a·b)`` as one kernel: the scale is the product's ``alpha`` (``beta=0``: the empty
-    0-dim ``input`` is never read), where ``(a @ b).mul_(scale)`` took a second pass and launch."""
-    return torch.addmm(a.new_empty(()), a, b, beta=0, alpha=scale)
 
 
 # --- FP8 base products ----------------------------------------------------------------------------

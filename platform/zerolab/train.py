@@ -487,9 +487,6 @@ def initialize_engine(model: torch.nn.Module, cfg: SFTConfig, ds_config: dict, t
         engine.optimizer.optimizer.state.clear()
     if batch_zero_step_checks(engine.optimizer):
         log_rank0("ZeRO-%d: the step's gradient checks in one multi-tensor norm", ds_config["zero_optimization"]["stage"])
-    if batch_zero_partition_copies(engine.optimizer):
-        log_rank0("ZeRO-%d: each reduced bucket's gradients copied into the partition by one multi-tensor copy",
-                  ds_config["zero_optimization"]["stage"])
     return engine
 
 
@@ -534,61 +531,6 @@ def batch_zero_step_checks(optimizer: Any) -> bool:
 
     optimizer.check_overflow = check_overflow
     optimizer.get_grad_norm_direct = get_grad_norm_direct
-    return True
-
-
-def batch_zero_partition_copies(optimizer: Any) -> bool:
-    """Under ZeRO-1/2 with contiguous gradients on the accelerator, copy a reduced bucket's
-    gradients into the optimizer's flat gradient partition with one ``torch._foreach_copy_``;
-    returns whether it applied.
-
-    After each bucket's reduction DeepSpeed copies every gradient of the bucket that this rank
-    keeps into the flat partition, one ``copy_`` and one pass through ``copy_grads_in_partition``'s
-    branches each (392 per step for a 7B LoRA, the last bucket's at the end of the backward pass,
-    when the GPU has nothing else queued: the GPU waited between the copies). Here each gradient
-    only gets its place in the partition (its ``.data`` points there, as DeepSpeed's does) and the
-    copies are made together once the bucket's reduction is issued, on the stream DeepSpeed's own
-    copies use, so every later reader is ordered after them as before. The first gradient of a
-    backward pass still takes DeepSpeed's copy, which allocates the partition.
-
-    Not applied with CPU offload, DeepSpeed's compact fp32 gradient partitions (a gradient
-    accumulation dtype other than the parameters'), ZenFlow, or non-contiguous gradients, whose
-    gradients take other routes. ``tests/test_train_step.py`` checks the step against DeepSpeed's
-    own on two ranks with several buckets.
-    """
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    if (not isinstance(optimizer, DeepSpeedZeroOptimizer) or optimizer.cpu_offload or not optimizer.contiguous_gradients
-            or getattr(optimizer, "zenflow", False)
-            or any(optimizer._use_compact_grad_partition_buffer(i) for i in range(len(optimizer.bit16_groups)))):
-        return False
-    destinations: list[torch.Tensor] = []
-    sources: list[torch.Tensor] = []
-
-    def copy_grads_in_partition(param: torch.Tensor, group_idx: int | None = None) -> None:
-        if optimizer.grads_in_partition is None:
-            DeepSpeedZeroOptimizer.copy_grads_in_partition(optimizer, param, group_idx)
-            return
-        grad = optimizer.get_gradient_for_reduction(param)
-        offset, numel = optimizer.grads_in_partition_offset, param.numel()
-        destination = optimizer.grads_in_partition.narrow(0, offset, numel)
-        destinations.append(destination)
-        sources.append(grad.view(-1))
-        grad.data = destination.view_as(grad)
-        optimizer.grads_in_partition_offset = offset + numel
-
-    def reduce_ipg_grads(comm_dtype: torch.dtype | None = None) -> None:
-        DeepSpeedZeroOptimizer.reduce_ipg_grads(optimizer, comm_dtype)
-        if destinations:
-            accelerator = get_accelerator()
-            with accelerator.stream(optimizer.reduction_stream if optimizer.overlap_comm else accelerator.current_stream()):
-                torch._foreach_copy_(destinations, sources)
-            destinations.clear()
-            sources.clear()
-
-    optimizer.copy_grads_in_partition = copy_grads_in_partition
-    optimizer.reduce_ipg_grads = reduce_ipg_grads
     return True
 
 
