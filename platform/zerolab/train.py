@@ -502,8 +502,8 @@ def batch_zero_step_checks(optimizer: Any) -> bool:
     DeepSpeed masks that to its invalid-norm value and skips the step (``check_grad_overflow``, on by
     default in bf16), as its ZeRO-3 does without the per-gradient test. So the test is dropped and the
     norm becomes ``torch._foreach_norm`` over the step's gradients with float32 accumulation, their
-    squares summed in float32 (DeepSpeed: float64 norms and sum, then float32; the test below finds
-    the two norms within 1e-3).
+    squares summed in float32 (DeepSpeed: float64 norms and sum, then float32; the two norms agree
+    within 1e-3 in the test named below).
 
     Not applied where the norm does not decide (fp16's loss scaling, ``check_grad_overflow=false``,
     ``compute_grad_norm=false``) or is taken elsewhere (optimizer offload). Nothing else of the step
