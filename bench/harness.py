@@ -284,9 +284,16 @@ def command(run: Run, ws: Workspace, result: Path) -> list[str]:
             *(["--gradient-checkpointing"] if run.checkpointing else [])]
 
 
+# The benchmark's runs record to an MLflow file store: the GPU hosts carry mlflow-skinny, which has no
+# SQLAlchemy for a sqlite store, and MLflow 3 refuses file stores unless this is set.
+FILE_STORE_ENV = {"MLFLOW_ALLOW_FILE_STORE": "true"}
+
+
 def subprocess_env() -> dict[str, str]:
-    """This environment with this checkout's zerolab first on the path (every run is a fresh process)."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "platform"), os.environ.get("PYTHONPATH", "")])}
+    """This environment with this checkout's zerolab first on the path (every run is a fresh process),
+    MLflow's file store allowed (:data:`FILE_STORE_ENV`)."""
+    return {**os.environ, **FILE_STORE_ENV,
+            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "platform"), os.environ.get("PYTHONPATH", "")])}
 
 
 def execute(run: Run, ws: Workspace, log: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -455,5 +462,5 @@ def _gpu_name() -> str:
 _big, _small = SUITES["single-7b"], SUITES["single-0.5b"]
 SUITES["single"] = [*_big[:4], _small[0], _small[2], _small[3], _small[1], *_big[4:], *_small[4:]]
 
-__all__ = ["COLUMNS", "Run", "SUITES", "Workspace", "asdict", "environment", "execute", "markdown_table", "read_csv", "subprocess_env",
+__all__ = ["COLUMNS", "FILE_STORE_ENV", "Run", "SUITES", "Workspace", "asdict", "environment", "execute", "markdown_table", "read_csv", "subprocess_env",
            "write_csv"]

@@ -197,20 +197,23 @@ def zerolab_loop(args: argparse.Namespace, rows: list, device: torch.device, wor
     if rss and dist.get_rank() == 0:
         print("\n".join(f"RSSTRACE {line}" for line in rss.report()))
     result = meter.result(args.window)
-    if args.profile_steps and dist.get_rank() == 0:
-        _profile(step, args.profile_steps)
-    elif args.profile_steps:
-        for _ in range(args.profile_steps):
-            step()
+    if args.profile_steps:
+        _profile(step, args.profile_steps, report=dist.get_rank() == 0)
     return total, trainable, result
 
 
-def _profile(step, n: int) -> None:
+def _profile(step, n: int, report: bool = True) -> None:
     """Print where ``n`` steps spend their time: GPU time by kernel (the 30 largest) and by kind,
     how much of the step the GPU computes, communicates or idles (NCCL overlapped with compute or
     not), the host's blocking CUDA calls; then, over ``n`` more steps with the GPU's activity alone
     recorded, where the GPU waits for the host (:func:`_print_idle_gaps`); then, over ``n`` more
-    steps under cProfile, the host's Python time by function (DeepSpeed's ZeRO-3 hooks run there)."""
+    steps under cProfile, the host's Python time by function (DeepSpeed's ZeRO-3 hooks run there).
+    The ranks that do not ``report`` take the same ``3 * n`` steps unprofiled: their collectives pair
+    with the reporting rank's."""
+    if not report:
+        for _ in range(3 * n):
+            step()
+        return
     import cProfile
     import pstats
 

@@ -105,6 +105,7 @@ def gpu_ray():
     ray.shutdown()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DS_ACCELERATOR", "cuda")
+        mp.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow-skinny's file store (case_config), MLflow 3 refuses it otherwise
         connect_ray(load_config(None, ["scaling.use_gpu=true"]))
         yield ray
         ray.shutdown()
