@@ -239,11 +239,17 @@ def leaf_config(stage: int, leaf: bool, method: str, gradient_checkpointing: boo
 
 def leaf_worker(rank: int, method: str, gradient_checkpointing: bool, port: int, results: dict) -> None:
     join_group(rank, port)
+    from zerolab import kernels
 
+    fused = []
+    apply = kernels._LoRALinear.apply
+    kernels._LoRALinear.apply = staticmethod(lambda *args: fused.append(1) or apply(*args))  # counts the one-node LoRA products
     for name, (stage, leaf) in LEAF_VARIANTS.items():  # ZeRO-2 first: _build_model keeps ZeRO-3's HfDeepSpeedConfig
+        fused.clear()
         trained = train_variant(rank, stage, leaf, method, gradient_checkpointing)
         if rank == 0:
             results[name] = trained
+            results[name, "fused"] = len(fused)
 
 
 def train_variant(rank: int, stage: int, leaf: bool, method: str, gradient_checkpointing: bool, compiled: bool = False) -> tuple:
@@ -282,8 +288,13 @@ def train_variant(rank: int, stage: int, leaf: bool, method: str, gradient_check
 def test_zero3_leaf_layers_train_as_per_module_zero3_and_zero2(method, gradient_checkpointing):
     """Gradients of leaf parameters are reduced by one hook per layer after its backward pass; the
     first layer's input comes from frozen embeddings under LoRA, where that hook would fire before
-    the layer's backward had produced them (the gradients then arrive after the reduction)."""
+    the layer's backward had produced them (the gradients then arrive after the reduction). LoRA
+    in leaf layers takes the one-node product, per-module ZeRO-3 peft's forward."""
     results = on_two_ranks(leaf_worker, method, gradient_checkpointing)
+    # LoRA's one-node product reads its weights directly: whole in a leaf layer, gathered module by
+    # module (so not whole there) without.
+    if method == "lora":
+        assert results["ZeRO-3 leaf layers", "fused"] > 0 and results["ZeRO-2", "fused"] > 0 and results["ZeRO-3", "fused"] == 0
     losses, grads, weights = results["ZeRO-3 leaf layers"]
     layer0 = [n for n in grads if ".layers.0." in n]
     assert layer0 and len(grads) > len(layer0)

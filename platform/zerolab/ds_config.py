@@ -44,6 +44,10 @@ def config_path(cfg: SFTConfig) -> Path:
     return default_config_path(ds.stage, ds.offload_optimizer or ds.offload_param)
 
 
+UNCAPPED = 2**62
+"""``stage3_max_live_parameters`` for adapter training: more elements than any model has."""
+
+
 def resolve(cfg: SFTConfig, hidden_size: int) -> dict[str, Any]:
     """The DeepSpeed config dict for this job, every ``"auto"`` filled; raises ConfigError on conflicts."""
     path = config_path(cfg)
@@ -117,13 +121,20 @@ def fill(raw: dict[str, Any], cfg: SFTConfig, hidden_size: int, *, source: str =
     # intermediate sizes up to 8h) stays whole on every rank, since gathering several hundred tiny
     # tensors per pass, one collective each, costs far more time than their memory; and the
     # frozen weights are prefetched a whole decoder layer ahead (a Llama/Qwen2 layer is ~12-20 h²
-    # elements), so the gathers overlap the previous layer's compute instead of waiting for it.
+    # elements), so the gathers overlap the previous layer's compute instead of waiting for it; and
+    # the number of gathered elements is not capped. DeepSpeed prefetches only up to
+    # stage3_max_live_parameters minus what is gathered; Hugging Face's 1e9 is about four 7B layers,
+    # less than the head (kept gathered for the fused loss), the embeddings and a layer together, so
+    # on a 7B model the prefetch was cut to a few weights at a time or none (586 gathers per step
+    # instead of ~60, two GPUs idle half the step). What stays gathered is then what the reuse
+    # distance keeps plus one prefetch bucket, as the memory estimate counts it.
     h = hidden_size
     adapter = cfg.adapter.is_peft()
     derived = {
         "reduce_bucket_size": h * h,
         "stage3_prefetch_bucket_size": 20 * h * h if adapter else int(0.9 * h * h),
         "stage3_param_persistence_threshold": max(10 * h, 8 * cfg.adapter.r * h + 1) if adapter else 10 * h,
+        "stage3_max_live_parameters": UNCAPPED if adapter else int(1e9),
     }
     for key, value in derived.items():
         if zero.get(key) == "auto":

@@ -20,8 +20,9 @@
   of a 7B model); ``addmm_`` accumulates ``scale·A(x)·Bᵀ`` into the base layer's output in the
   product's own epilogue; without dropout the layer is one autograd node whose backward also
   accumulates the adapter's input gradient into the base product's instead of autograd adding the
-  two. Plain LoRA (rsLoRA too) with one active adapter, on any device, below ZeRO-3 (whose hooks
-  partition and gather weights around module calls); other layers keep peft's forward, and a
+  two. Plain LoRA (rsLoRA too) with one active adapter, on any device, at any ZeRO stage (ZeRO-3
+  with leaf layers: its per-module hooks would gather a weight only around its own module's call);
+  other layers keep peft's forward, and a
   compiled layer gets the same products without the one-node backward (Inductor fuses its own).
 - Regional compilation (``model.compile``, ``compile_layers``): each decoder layer's forward goes
   through ``torch.compile`` (Inductor), which fuses its elementwise work (norms, RoPE, SwiGLU,
@@ -246,7 +247,7 @@ def _fused_loss_forward(self: Any, input_ids: torch.Tensor | None = None, attent
 
 def fuse_lora(model: torch.nn.Module) -> int:
     """Give every plain peft LoRA ``Linear`` of ``model`` the fused forward; returns how many.
-    Call after the adapter is applied; under ZeRO-3 the layers keep taking peft's forward."""
+    Call after the adapter is applied; under ZeRO-3 without leaf layers they keep taking peft's forward."""
     from peft.tuners.lora.layer import Linear
 
     count = 0
@@ -262,13 +263,14 @@ def _lora_addmm_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -
     accumulated in place into the base layer's output by one ``addmm_`` (the base layer's
     backward needs its input and weight, never its output, so the in-place update is safe for
     autograd). Anything else — adapters disabled or merged, several active adapters, DoRA and
-    other variants, a bias on B, mixed dtypes, a ZeRO-3 partitioned B — takes peft's own forward."""
+    other variants, a bias on B, mixed dtypes, ZeRO-3 weights gathered module by module — takes
+    peft's own forward."""
     names = self.active_adapters
     name = names[0] if len(names) == 1 else None
     a_layer, b_layer = (self.lora_A[name], self.lora_B[name]) if name in self.lora_A else (None, None)
     base = self.base_layer
     if (a_layer is None or args or kwargs or self.disable_adapters or self.merged or name in self.lora_variant
-            or b_layer.bias is not None or hasattr(b_layer.weight, "ds_id")
+            or b_layer.bias is not None or not _gathered_with_layer(base.weight, a_layer.weight, b_layer.weight)
             or not x.dtype == a_layer.weight.dtype == b_layer.weight.dtype == base.weight.dtype):
         return type(self).forward(self, x, *args, **kwargs)
     flat = x.reshape(-1, x.shape[-1])
@@ -283,6 +285,15 @@ def _lora_addmm_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -
         out = base(flat)
         out.addmm_(a_layer(self.lora_dropout[name](flat)), b_layer.weight.t(), alpha=self.scaling[name])
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _gathered_with_layer(*weights: torch.Tensor) -> bool:
+    """Whether the weights are whole for the forward and, again, for the backward of a product that
+    reads them directly: not ZeRO-3 partitioned, or partitioned within a ZeRO-3 leaf module (the
+    decoder layer, ``deepspeed.z3_leaf_layers``), which DeepSpeed gathers as a whole before the
+    layer's forward and before its backward. Without leaf layers it gathers each module's weights
+    around that module's own call, which a product reading ``base.weight`` never makes."""
+    return all(not hasattr(w, "ds_id") or hasattr(w, "ds_z3_leaf_module") for w in weights)
 
 
 class _LoRALinear(torch.autograd.Function):
