@@ -62,3 +62,23 @@ def test_stage3_with_only_the_optimizer_offloaded_uses_the_shipped_file_without_
     own.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}))
     with pytest.raises(ConfigError, match="offloads offload_param to cpu but deepspeed.offload_param=false"):
         ds_config.resolve(load_config(None, ["deepspeed.stage=3", f"deepspeed.config={own}"]), 128)
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["zero3", "zero3-offload"])
+@pytest.mark.parametrize("model", ["Qwen/Qwen2.5-0.5B", "Qwen/Qwen2.5-7B", "Qwen/Qwen2.5-72B"])
+def test_zero3_adapter_prefetch_is_not_cut_short_by_the_live_parameter_cap(model, offload):
+    """DeepSpeed prefetches only up to stage3_max_live_parameters minus what is gathered. Under LoRA
+    the output head stays gathered (the fused loss reads it) beside the embeddings and the layer in
+    use; with Hugging Face's cap of 1e9 (the shipped files' value before) a 7B step's next layer did
+    not fit beside them, and its weights were gathered a few at a time. The cap leaves room for
+    them and the full prefetch bucket on every known shape."""
+    from zerolab.memory import KNOWN_CONFIGS
+
+    shape = KNOWN_CONFIGS[model]
+    h, vocab = shape["hidden_size"], shape["vocab_size"]
+    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    layer = 2 * h * h + 2 * h * kv + 3 * h * shape["intermediate_size"]  # a decoder layer's weights
+    cfg = load_config(None, ["deepspeed.stage=3", f"deepspeed.offload_param={str(offload).lower()}", "adapter.method=lora"])
+    zero = ds_config.resolve(cfg, h)["zero_optimization"]
+    held = 2 * vocab * h + layer
+    assert zero["stage3_max_live_parameters"] - held >= zero["stage3_prefetch_bucket_size"] >= layer
