@@ -373,16 +373,22 @@ def resolved_overrides(overrides: list[str]) -> list[str]:
     return [*kept, f"model.kernels={kernels}"]
 
 
+def shape_model_config(shape: str) -> Any:
+    """The Hugging Face config of a benchmark shape, without its files (the tiny model's is built)."""
+    from zerolab.config import load_config
+    from zerolab.memory import KNOWN_CONFIGS, load_model_config
+
+    shape_id = SHAPES[shape]
+    return dict(model_type="qwen2", dtype="bfloat16", **KNOWN_CONFIGS[shape_id]) if shape_id else load_model_config(load_config(None, []))
+
+
 def predict_overrides(overrides: list[str], shape: str, calibration: Any = None, data: Any = None) -> dict[str, float]:
     """The estimate's figures for a run of ``shape`` configured by ``overrides`` (no paths needed)."""
     from zerolab.config import load_config
-    from zerolab.memory import DEFAULT_CALIBRATION, GIB, KNOWN_CONFIGS, estimate, load_model_config
+    from zerolab.memory import DEFAULT_CALIBRATION, GIB, estimate
 
     cfg = load_config(None, estimate_overrides(overrides))
-    shape_id = SHAPES[shape]
-    model_config = (dict(model_type="qwen2", dtype="bfloat16", **KNOWN_CONFIGS[shape_id]) if shape_id
-                    else load_model_config(load_config(None, [])))
-    est = estimate(cfg, model_config, calibration=calibration or DEFAULT_CALIBRATION, data=data)
+    est = estimate(cfg, shape_model_config(shape), calibration=calibration or DEFAULT_CALIBRATION, data=data)
     gpu, workers = cfg.scaling.use_gpu, cfg.world_size()
     host = est.host_workers_before_save(workers)
     return {"pred_gpu_alloc_gib": est.device_peak / GIB if gpu else 0.0,

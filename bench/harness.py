@@ -17,6 +17,7 @@ give a row of the memory calibration (estimate next to the measured peaks).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -45,6 +46,7 @@ class Run:
     gpus: int = 1
     stage: int = 0
     micro_batch: int = 1
+    """Rows per micro-batch; 0: the largest the memory estimate allows on this machine (:func:`estimated_micro_batch`)."""
     steps: int = 20
     window: int = 10
     checkpointing: bool = False
@@ -132,6 +134,10 @@ SUITES: dict[str, list[Run]] = {
     # The issue's ZeRO-3 target on two GPUs with leaf layers: one packed 4k row per micro-batch, then four.
     "zero3-leaf-7b-2gpu": [Run("zerolab", "qwen2.5-7b", gpus=2, stage=stage, micro_batch=mb, steps=8, window=4, variant=f"mb{mb}", timeout_s=240)
                            for mb in (1, 4) for stage in (2, 3)],
+    # The issue's second ZeRO-3 target: ZeRO-2 and ZeRO-3 each at the micro-batch the memory estimate
+    # picks for it on this machine (``jobs/estimate.py``'s "most tokens per micro-batch").
+    "zero3-est-7b-2gpu": [Run("zerolab", "qwen2.5-7b", gpus=2, stage=stage, micro_batch=0, steps=8, window=4, variant="mbest", timeout_s=300)
+                          for stage in (2, 3)],
     "zero3-leaf-0.5b": [Run("zerolab", "qwen2.5-0.5b", stage=stage, micro_batch=4, steps=20, window=10, variant=variant, timeout_s=180,
                             overrides=overrides)
                         for stage, variant, overrides in ((2, "", ()), (3, "leaf", ()), (3, "noleaf", ("deepspeed.z3_leaf_layers=false",)))],
@@ -296,9 +302,26 @@ def subprocess_env() -> dict[str, str]:
             "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "platform"), os.environ.get("PYTHONPATH", "")])}
 
 
+def estimated_micro_batch(run: Run, ws: Workspace) -> int:
+    """The micro-batch ``jobs/estimate.py`` names for ``run`` on this machine: the largest with which
+    the run's option fits its GPUs outside the estimate's 10% margin (1 if none does)."""
+    from bench.calibrate_memory import estimate_overrides, resolved_overrides, shape_model_config
+
+    from zerolab.config import load_config
+    from zerolab.memory import Limits, largest_micro_batch
+    from zerolab.zero import Option
+
+    cfg = load_config(None, estimate_overrides(resolved_overrides(zerolab_overrides(dataclasses.replace(run, micro_batch=1), ws))))
+    return largest_micro_batch(cfg, shape_model_config(run.shape), Limits.detect(), Option.of(cfg)) or 1
+
+
 def execute(run: Run, ws: Workspace, log: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Run one benchmark run; returns its CSV row and, for zerolab runs, a memory-calibration row."""
     from bench.calibrate_memory import NodeMemorySampler
+
+    if run.micro_batch == 0:
+        run = dataclasses.replace(run, micro_batch=estimated_micro_batch(run, ws))
+        log.write(f"\n{run.name}: micro-batch {run.micro_batch}, the largest the memory estimate allows here\n")
 
     result = ws.root / "results" / run.name
     result.parent.mkdir(parents=True, exist_ok=True)

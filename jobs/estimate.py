@@ -10,7 +10,9 @@ network) and starts nothing. Without --gpus/--gpu-mem/--host-mem it checks again
 By default every micro-batch is taken at its worst case by config (micro_batch_size ×
 data.max_seq_length tokens); --data tokenizes the job's data here (its files, or the task's
 generated rows; no Ray) and estimates the largest micro-batch the workers' shards will make, as
-the preflight of `jobs/sft.py` does, showing the worst case by config next to it.
+the preflight of `jobs/sft.py` does, showing the worst case by config next to it. With the
+recommended option it also names the largest micro-batch that fits (most tokens per forward pass:
+what ZeRO-3 needs most, its gathers cost per micro-batch, not per token).
 Exit codes: 0 a config fits (the job's own option or another one), 1 nothing fits, 2 bad
 configuration or model.
 """
@@ -41,7 +43,16 @@ def main(argv: list[str] | None = None) -> int:
     from zerolab.cli import USER_ERROR
     from zerolab.config import ConfigError, load_config
     from zerolab.data import DataError
-    from zerolab.memory import MemoryEstimateError, Option, format_table, load_model_config, plan_options, recommend, worst_case_by_config
+    from zerolab.memory import (
+        MemoryEstimateError,
+        Option,
+        format_table,
+        largest_micro_batch,
+        load_model_config,
+        plan_options,
+        recommend,
+        worst_case_by_config,
+    )
     from zerolab.models import ModelLoadError
 
     try:
@@ -90,6 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [*rec.overrides, *rec.option.overrides()]
     print(f"recommendation: {rec.reason}")
     print(f"  run it with: --set {' --set '.join(overrides)}")
+    chosen = load_config(args.config, [*args.set, *rec.overrides])
+    batch = largest_micro_batch(chosen, model_config, limits, rec.option, data=data)
+    if batch is not None:
+        print(f"most tokens per micro-batch with {rec.option.label}: --set train.micro_batch_size={batch} "
+              f"(the largest that fits outside the estimate's 10% margin; the global batch grows with it)")
     return 0
 
 

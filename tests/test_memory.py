@@ -17,7 +17,7 @@ import torch
 from conftest import REPO, rows_of, tiny_overrides
 from zerolab import adapters, ds_config, memory
 from zerolab.config import AdapterSpec, load_config
-from zerolab.memory import GIB, Limits, MemoryPreflightError, ModelShape, Option
+from zerolab.memory import GIB, Fit, Limits, MemoryPreflightError, ModelShape, Option
 
 QWEN25_7B = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                  num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
@@ -608,6 +608,23 @@ def run_estimate(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / "jobs" / "estimate.py"), *args], capture_output=True, text=True, timeout=300)
 
 
+def test_largest_micro_batch_is_the_last_size_that_fits_outside_the_margin():
+    cfg = gpu_cfg("data.max_seq_length=4096", "data.packing=true", workers=2)
+    limits = Limits(gpu_mem_bytes=80 * GIB, gpus_per_node=2, host_mem_bytes=256 * GIB)
+
+    def fit(batch: int) -> Fit:
+        variant = Option(3).apply(cfg.replace(train=dataclasses.replace(cfg.train, micro_batch_size=batch)))
+        return memory.estimate(variant, QWEN25_7B).fits(limits)
+
+    batch = memory.largest_micro_batch(cfg, QWEN25_7B, limits, Option(3))
+    assert batch is not None and batch > 1
+    assert fit(batch).fits and not fit(batch).tight
+    assert not fit(batch + 1).fits or fit(batch + 1).tight
+    assert memory.largest_micro_batch(cfg, QWEN25_7B, limits, Option(3), limit=2) == 2
+    assert memory.largest_micro_batch(cfg, QWEN25_7B, Limits(gpu_mem_bytes=2 * GIB, gpus_per_node=2, host_mem_bytes=256 * GIB),
+                                      Option(3)) is None
+
+
 def test_cli_plans_a_machine():
     proc = run_estimate("--config", str(REPO / "jobs/configs/math_qwen2.5_7b_lora.yaml"), "--gpus", "2", "--gpu-mem", "16GiB",
                         "--host-mem", "64GiB")
@@ -617,6 +634,7 @@ def test_cli_plans_a_machine():
     assert "GPU total" in out and "host total per node" in out and "does not fit" in out
     assert "this config (ZeRO-0): does not fit" in out
     assert "recommendation: ZeRO-3 fits" in out and "--set deepspeed.stage=3" in out
+    assert "most tokens per micro-batch with ZeRO-3: --set train.micro_batch_size=" in out
 
 
 def test_cli_estimates_on_the_jobs_data(tiny_model_path):

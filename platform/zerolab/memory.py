@@ -1442,6 +1442,33 @@ def recommend(cfg: SFTConfig, model_config: Any, limits: Limits | None = None, *
     return None
 
 
+def largest_micro_batch(cfg: SFTConfig, model_config: Any, limits: Limits, option: Option, *, limit: int = 512,
+                        calibration: Calibration = DEFAULT_CALIBRATION, data: ShardLengths | None = None) -> int | None:
+    """The largest ``train.micro_batch_size`` (at most ``limit``) with which ``cfg`` under ``option``
+    fits ``limits`` outside the estimator's 10% margin (not :attr:`Fit.tight`); None if not even 1
+    does. Most tokens per micro-batch is what ZeRO-3 needs most: its gathers cost per micro-batch,
+    not per token. Memory grows with the micro-batch, so a doubling search, then bisection, finds it
+    in O(log limit) estimates; on ``data`` each size plans the shards' micro-batches again."""
+    def fits(batch: int) -> bool:
+        variant = option.apply(cfg.replace(train=dataclasses.replace(cfg.train, micro_batch_size=batch)))
+        fit = estimate(variant, model_config, calibration=calibration, data=data).fits(limits)
+        return fit.fits and not fit.tight
+
+    if not fits(1):
+        return None
+    good, bad = 1, None
+    while bad is None and good < limit:
+        trial = min(2 * good, limit)
+        if fits(trial):
+            good = trial
+        else:
+            bad = trial
+    while bad is not None and bad - good > 1:
+        middle = (good + bad) // 2
+        good, bad = (middle, bad) if fits(middle) else (good, middle)
+    return good
+
+
 def _fastest_fitting(rows: list[PlanRow]) -> PlanRow | None:
     fitting = [r for r in rows if r.fit is not None and r.fit.fits]
     if not fitting:
@@ -1589,7 +1616,7 @@ def format_table(rows: list[PlanRow], limits: Limits) -> str:
 __all__ = [
     "ALL_OPTIONS", "BatchShape", "Calibration", "DEFAULT_CALIBRATION", "Estimate", "Fit", "Limits", "MemoryEstimateError",
     "MemoryPreflightError", "MicroBatch", "ModelShape", "Option", "ParamSpec", "PlanRow", "Recommendation", "ShardLengths",
-    "estimate", "format_table", "load_model_config", "parameter_inventory", "parse_size", "plan_options", "preflight",
+    "estimate", "format_table", "largest_micro_batch", "load_model_config", "parameter_inventory", "parse_size", "plan_options", "preflight",
     "recommend", "trainable_params", "worst_case_by_config", "worst_micro_batch",
 ]
 
