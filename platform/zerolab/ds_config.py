@@ -125,9 +125,9 @@ def fill(raw: dict[str, Any], cfg: SFTConfig, hidden_size: int, *, source: str =
     # the number of gathered elements is not capped. DeepSpeed prefetches only up to
     # stage3_max_live_parameters minus what is gathered; Hugging Face's 1e9 is about four 7B layers,
     # less than the head (kept gathered for the fused loss), the embeddings and a layer together, so
-    # on a 7B model the prefetch was cut to a few weights at a time or none (586 gathers per step
-    # instead of ~60, two GPUs idle half the step). What stays gathered is then what the reuse
-    # distance keeps plus one prefetch bucket, as the memory estimate counts it.
+    # on a 7B model the prefetch was cut to a few weights at a time or none (586 gathers per step on
+    # two GPUs, where leaf layers make ~60; docs/benchmark.md). What stays gathered is then what the
+    # reuse distance keeps plus one prefetch bucket, as the memory estimate counts it.
     h = hidden_size
     adapter = cfg.adapter.is_peft()
     derived = {
