@@ -22,8 +22,8 @@
   accumulates the adapter's input gradient into the base product's instead of autograd adding the
   two. Plain LoRA (rsLoRA too) with one active adapter, on any device, at any ZeRO stage (ZeRO-3
   with leaf layers: its per-module hooks would gather a weight only around its own module's call);
-  other layers keep peft's forward, and a
-  compiled layer gets the same products without the one-node backward (Inductor fuses its own).
+  other layers keep peft's forward, and a compiled layer gets the same products without the
+  one-node backward (Inductor fuses its own).
 - Regional compilation (``model.compile``, ``compile_layers``): each decoder layer's forward goes
   through ``torch.compile`` (Inductor), which fuses its elementwise work (norms, RoPE, SwiGLU,
   residual adds, LoRA's dropout and scale) into fewer kernels and launches them from generated
