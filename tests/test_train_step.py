@@ -114,11 +114,12 @@ def test_first_adamw_step_in_bf16_moves_each_weight_by_the_learning_rate(stage):
     assert moved.abs().mean().item() / 1e-2 == pytest.approx(1.0, abs=0.05)
 
 
-def step_checks_worker(rank: int, port: int, results: dict) -> None:
-    """One bf16 ZeRO-2 step with gradient clipping, DeepSpeed's own gradient checks against zerolab's
-    batched ones (``train.batch_zero_step_checks``), once clean and once with rank 0's gradient of one
-    weight made NaN."""
+def step_checks_worker(rank: int, stage: int, port: int, results: dict) -> None:
+    """One bf16 ZeRO-2 or ZeRO-3 step with gradient clipping, DeepSpeed's own gradient checks against
+    zerolab's batched ones (``train.batch_zero_step_checks``, ``train.batch_zero3_grad_norm``), once
+    clean and once with rank 0's gradient of one weight made NaN."""
     join_group(rank, port)
+    import deepspeed
 
     from zerolab.config import load_config
     from zerolab.models import load_model
@@ -126,27 +127,35 @@ def step_checks_worker(rank: int, port: int, results: dict) -> None:
 
     cfg = load_config(None, ["adapter.method=full", "train.lr=1e-2", "train.warmup_ratio=0", "train.lr_scheduler=constant"])
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ACCUM, "gradient_clipping": 1.0,
-              "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True, "bf16": {"enabled": True}}
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True, "bf16": {"enabled": True}}
+
+    def weights(engine) -> dict[str, torch.Tensor]:
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+            return {k: p.detach().float().clone() for k, p in engine.module.named_parameters()}
+
     for batched in (False, True):
         for poisoned in (False, True):
             torch.manual_seed(0)
             engine = initialize_engine(load_model(cfg.model, torch.bfloat16), cfg, config, total_steps=10)
             assert "get_grad_norm_direct" in vars(engine.optimizer)  # applied
             if not batched:  # back to DeepSpeed's own methods
-                del engine.optimizer.check_overflow, engine.optimizer.get_grad_norm_direct
+                del engine.optimizer.get_grad_norm_direct
+                vars(engine.optimizer).pop("check_overflow", None)
             weight = engine.module.model.layers[0].mlp.down_proj.weight
             if poisoned and rank == 0:
                 weight.register_hook(lambda g: torch.full_like(g, float("nan")))
-            before = {k: p.detach().float().clone() for k, p in engine.module.named_parameters()}
+            before = weights(engine)
             optimizer_step(engine, micro_batches(rank), torch.device("cpu"))
+            after = weights(engine)
             if rank == 0:
-                applied = {k: before[k] - p.detach().float() for k, p in engine.module.named_parameters()}
-                results[(batched, poisoned)] = (float(engine.get_global_grad_norm()), applied)
+                results[(batched, poisoned)] = (float(engine.get_global_grad_norm()), {k: before[k] - after[k] for k in before})
+            engine.destroy()
 
 
 @pytest.mark.slow
-def test_batched_zero2_step_checks_give_deepspeeds_norm_update_and_skipped_step():
-    results = on_two_ranks(step_checks_worker)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_batched_zero_step_checks_give_deepspeeds_norm_update_and_skipped_step(stage):
+    results = on_two_ranks(step_checks_worker, stage)
     (own_norm, own), (norm, applied) = results[(False, False)], results[(True, False)]
     assert norm == pytest.approx(own_norm, rel=1e-3) and 0 < norm < float("inf")
     assert norm > 1.0  # clipping applied in both
