@@ -523,15 +523,22 @@ def batch_zero_step_checks(optimizer: Any) -> bool:
         grads = [g for g in gradients if not getattr(g, "_zero_padding", False)]
         if float(norm_type) != 2.0 or not grads or optimizer.model_parallel_world_size > 1:
             return DeepSpeedZeroOptimizer.get_grad_norm_direct(optimizer, gradients, params, norm_type)
-        total = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=optimizer.dp_process_group)
-        total = total.sqrt()
+        total = _global_l2_norm(grads, optimizer.dp_process_group)
         mask_nan_or_inf_with_val_inplace(total, device=optimizer.device)
         return total
 
     optimizer.check_overflow = check_overflow
     optimizer.get_grad_norm_direct = get_grad_norm_direct
     return True
+
+
+def _global_l2_norm(tensors: list[torch.Tensor], group: Any) -> torch.Tensor:
+    """The L2 norm of this rank's ``tensors`` and every other rank's of ``group`` together: one
+    multi-tensor kernel for the per-tensor norms (float32 accumulation), their squares summed and
+    all-reduced."""
+    total = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return total.sqrt()
 
 
 def batch_zero3_grad_norm(optimizer: Any) -> bool:
@@ -553,9 +560,7 @@ def batch_zero3_grad_norm(optimizer: Any) -> bool:
     def get_grad_norm_direct(gradients: list, params: list, norm_type: float = 2) -> torch.Tensor:
         if float(norm_type) != 2.0 or not gradients or optimizer._autoep_expert_parallel_group(params) is not None:
             return DeepSpeedZeroOptimizer_Stage3.get_grad_norm_direct(optimizer, gradients, params, norm_type)
-        total = torch.stack(torch._foreach_norm(gradients, 2, dtype=torch.float32)).square().sum()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=optimizer._get_param_partition_group(params[0]))
-        total = total.sqrt()
+        total = _global_l2_norm(gradients, optimizer._get_param_partition_group(params[0]))
         return torch.where(total.isfinite(), total, torch.full_like(total, -1.0))
 
     optimizer.get_grad_norm_direct = get_grad_norm_direct
