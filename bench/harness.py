@@ -165,6 +165,11 @@ SUITES: dict[str, list[Run]] = {
     # FP8 products of the frozen base weights (model.fp8) against bf16, alternating, medians of three.
     "fp8-7b": [Run("zerolab", "qwen2.5-7b", steps=12, window=6, variant=f"{label}-{rep}", timeout_s=240, overrides=(f"model.fp8={v}",))
                for rep in (1, 2, 3) for label, v in (("bf16", "false"), ("fp8", "true"))],
+    # ZeRO-2 with two packed 4k rows per micro-batch (a step that waits on the GPU rather than the host),
+    # bf16 and FP8 base products alternating.
+    "fp8-7b-mb2": [Run("zerolab", "qwen2.5-7b", stage=2, micro_batch=2, steps=12, window=6, variant=f"{label}-mb2-{rep}", timeout_s=240,
+                       overrides=(f"model.fp8={v}",))
+                   for rep in (1, 2, 3) for label, v in (("bf16", "false"), ("fp8", "true"))],
     "fp8-0.5b": [Run("zerolab", "qwen2.5-0.5b", micro_batch=4, steps=20, window=10, variant=f"{label}-{rep}", timeout_s=180,
                      overrides=(f"model.fp8={v}",))
                  for rep in (1, 2, 3) for label, v in (("bf16", "false"), ("fp8", "true"))],
