@@ -13,7 +13,7 @@ import torch
 
 from conftest import rows_of, tiny_overrides
 from zerolab import data, models
-from zerolab.batches import IGNORE_INDEX, MicroBatches
+from zerolab.batches import IGNORE_INDEX, MicroBatches, epoch_order, pack_rows
 from zerolab.config import ModelSpec, load_config
 from zerolab.data import (
     DataError,
@@ -134,6 +134,23 @@ def test_packing_fills_sequences_and_restarts_positions():
     pos = batch.inputs["position_ids"][0].tolist()
     assert pos[:10] == list(range(10)) and pos[10:30] == list(range(20))
     assert "attention_mask" not in batch.inputs
+
+
+def test_packing_puts_each_row_where_it_fits_best():
+    # Laid end to end (next fit), 40 would close the sequence of 30 and 20 the one of 40: three
+    # sequences. Best fit fills two to the brim.
+    assert pack_rows([30, 40, 20, 10], range(4), 50) == [[0, 2], [1, 3]]
+    # Many short rows and a few long ones, as in chat data: every row once, none over the bound,
+    # and the sequences nearly full.
+    rng = np.random.default_rng(0)
+    lengths = np.concatenate([rng.integers(20, 200, 900), rng.integers(800, 3900, 100)])
+    order = epoch_order(len(lengths), 0, 0)
+    sequences = pack_rows(lengths.tolist(), order, 4096)
+    assert sorted(i for seq in sequences for i in seq) == list(range(len(lengths)))
+    assert max(sum(lengths[seq]) for seq in sequences) <= 4096
+    assert lengths.sum() / (4096 * len(sequences)) > 0.97
+    # Sequences come out in the order they were started, so the epoch's order still leads.
+    assert [seq[0] for seq in sequences] == [i for i in order if i in {seq[0] for seq in sequences}]
 
 
 def test_packed_and_padded_batches_give_the_same_loss(tiny_model_path):
