@@ -104,7 +104,7 @@ class DataSpec:
     max_seq_length: int = 128
     """Longest tokenized sample (prompt + response) accepted; longer rows are reported as bad."""
     packing: bool = False
-    """Pack several samples into each sequence (attention stays within each sample)."""
+    """Pack several samples into each sequence, best fit: each sample joins the sequence with the least room that holds it (attention stays within each sample)."""
     max_bad_fraction: float = 0.0
     """Fraction of malformed rows tolerated before the job fails (they are always reported)."""
     seed: int = 0
