@@ -109,9 +109,10 @@ class MicroBatches:
 
     Epoch ``e`` visits the rows in the order of ``default_rng([seed, e]).permutation``. Without
     packing a micro-batch holds ``micro_batch_size`` rows padded to the longest of them; with
-    packing, rows are packed (best fit, :func:`pack_rows`) into sequences of at most ``max_seq_length`` tokens with
-    per-sample ``position_ids`` (from which the model builds block-diagonal attention, so packed
-    samples do not see each other) and the samples' boundaries in the flattened micro-batch
+    packing, rows are packed best fit (:func:`pack_rows`) into sequences of at most
+    ``max_seq_length`` tokens with per-sample ``position_ids`` (from which the model builds
+    block-diagonal attention, so packed samples do not see each other) and the samples' boundaries
+    in the flattened micro-batch
     (``packed_cu_seqlens``, for the varlen attention kernel); ``micro_batch_size`` such sequences
     form a micro-batch.
     """
