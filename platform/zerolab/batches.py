@@ -112,9 +112,8 @@ class MicroBatches:
     packing, rows are packed best fit (:func:`pack_rows`) into sequences of at most
     ``max_seq_length`` tokens with per-sample ``position_ids`` (from which the model builds
     block-diagonal attention, so packed samples do not see each other) and the samples' boundaries
-    in the flattened micro-batch
-    (``packed_cu_seqlens``, for the varlen attention kernel); ``micro_batch_size`` such sequences
-    form a micro-batch.
+    in the flattened micro-batch (``packed_cu_seqlens``, for the varlen attention kernel);
+    ``micro_batch_size`` such sequences form a micro-batch.
     """
 
     def __init__(self, rows: list[tuple[np.ndarray, np.ndarray]], *, micro_batch_size: int, max_seq_length: int,
