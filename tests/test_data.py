@@ -13,7 +13,7 @@ import torch
 
 from conftest import rows_of, tiny_overrides
 from zerolab import data, models
-from zerolab.batches import IGNORE_INDEX, MicroBatches, epoch_order, pack_rows
+from zerolab.batches import IGNORE_INDEX, PACKER, MicroBatches, epoch_order, pack_rows
 from zerolab.config import ModelSpec, load_config
 from zerolab.data import (
     DataError,
@@ -152,6 +152,16 @@ def test_packing_puts_each_row_where_it_fits_best():
     # Sequences come out in the order they were started, so the epoch's order still leads.
     firsts = [seq[0] for seq in sequences]
     assert firsts == [i for i in order if i in set(firsts)]
+
+
+def test_a_resume_from_a_checkpoint_packed_otherwise_says_what_it_cannot_reproduce():
+    from zerolab.train import packer_change
+
+    # Checkpoints written before best fit recorded no packer: their epochs were planned next fit.
+    message = packer_change({"step": 40}, packing=True)
+    assert "next-fit" in message and "--restart" in message
+    assert packer_change({"step": 40, "packer": PACKER}, packing=True) is None
+    assert packer_change({"step": 40}, packing=False) is None  # unpacked rows: every packer plans them alike
 
 
 def test_packed_and_padded_batches_give_the_same_loss(tiny_model_path):

@@ -58,6 +58,11 @@ def epoch_order(num_rows: int, seed: int, epoch: int) -> list[int]:
     return np.random.default_rng([seed, epoch]).permutation(num_rows).tolist()
 
 
+PACKER = "best-fit"
+"""How :func:`pack_rows` plans sequences, recorded in checkpoints: a run resumed from a checkpoint
+whose packer planned them otherwise groups the rest of that epoch's rows anew."""
+
+
 def plan_micro_batches(lengths: Sequence[int], order: Sequence[int], *, micro_batch_size: int, max_seq_length: int,
                        packing: bool) -> list[list[list[int]]]:
     """Micro-batches of sequences of row indices, visiting rows (of ``lengths[i]`` tokens) in

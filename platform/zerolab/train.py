@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from zerolab import adapters, kernels, perf
-from zerolab.batches import Batch, MicroBatches
+from zerolab.batches import PACKER, Batch, MicroBatches
 from zerolab.cadence import STOPPED_AT_DEADLINE, Cadence
 from zerolab.checkpoints import RunFolder
 from zerolab.cluster import quiet_ray_data_logging
@@ -280,7 +280,7 @@ def _train(config: dict, place: RayWorker | InDriver, started: float) -> None:
         # AdaLoRA reads the gradients after the optimizer step and before they are zeroed.
         engine.optimizer.register_step_post_hook(lambda *_: engine.module.base_model.update_and_allocate(engine.global_steps))
 
-    start_step = _restore(engine, rank, place.checkpoint(), adapter_only=cfg.adapter.is_peft())
+    start_step = _restore(engine, rank, place.checkpoint(), adapter_only=cfg.adapter.is_peft(), packing=cfg.data.packing)
     now = time.perf_counter()
     log_rank0("worker ready in %.1f s: process group and data shard %.1f s, model %.1f s, DeepSpeed engine%s %.1f s",
               now - started, data_ready - started, model_ready - data_ready, " and checkpoint" if start_step else "", now - model_ready)
@@ -709,7 +709,7 @@ def _save_and_report(engine: Any, cfg: SFTConfig, tokenizer: Any, step: int, met
     tmp = Path(tempfile.mkdtemp(prefix="zerolab-ckpt-"))
     try:
         # An adapter run saves only what trains: the frozen base weights are the model it started from.
-        engine.save_checkpoint(str(tmp / "deepspeed"), tag="state", client_state={"step": step},
+        engine.save_checkpoint(str(tmp / "deepspeed"), tag="state", client_state={"step": step, "packer": PACKER},
                                exclude_frozen_parameters=cfg.adapter.is_peft())
         torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
         state = _gather_for_save(engine, full=not cfg.adapter.is_peft())
@@ -743,7 +743,7 @@ def _gather_for_save(engine: Any, *, full: bool) -> dict[str, torch.Tensor]:
     return {n: p.detach().cpu().clone() for n, p in module.named_parameters() if p.requires_grad}
 
 
-def _restore(engine: Any, rank: int, checkpoint: Any, *, adapter_only: bool) -> int:
+def _restore(engine: Any, rank: int, checkpoint: Any, *, adapter_only: bool, packing: bool) -> int:
     """Load ``checkpoint`` (a retry's or a relaunch's); returns the step to start at."""
     if checkpoint is None:
         return 0
@@ -765,7 +765,21 @@ def _restore(engine: Any, rank: int, checkpoint: Any, *, adapter_only: bool) -> 
             _set_rng_state(torch.load(rng_file, weights_only=False))
     step = int(client_state["step"])
     log_rank0("resumed from %s at step %d", checkpoint.path, step)
+    change = packer_change(client_state, packing=packing)
+    if change and rank == 0:
+        logger.warning(change)
     return step
+
+
+def packer_change(client_state: dict[str, Any], *, packing: bool) -> str | None:
+    """What a packed run resumed from ``client_state`` cannot reproduce, if its checkpoint's packer
+    planned sequences otherwise (checkpoints before best fit recorded none: next fit)."""
+    was = client_state.get("packer", "next-fit")
+    if not packing or was == PACKER:
+        return None
+    return (f"this checkpoint was written while packing planned sequences {was}, now {PACKER}: the rest of its epoch "
+            "groups that epoch's rows anew, so some of them are seen twice and others not at all (later epochs are "
+            "unaffected); pass --restart to train from the start instead")
 
 
 class _FirstStepClock:
