@@ -110,6 +110,13 @@ def _suite_zero3(shape: str, gpus: int) -> list[Run]:
         Run("zerolab-torchrun", shape, gpus=gpus, stage=3, micro_batch=1, steps=6, window=3, profile_steps=2, timeout_s=240)]
 
 
+def _fp8_against_bf16(shape: str, suffix: str = "", **settings: Any) -> list[Run]:
+    """bf16 and FP8 base products (``model.fp8``) alternating, three runs each (variants ``bf16<suffix>-1``,
+    ``fp8<suffix>-1``, ...)."""
+    return [Run("zerolab", shape, variant=f"{label}{suffix}-{rep}", overrides=(f"model.fp8={v}",), **settings)
+            for rep in (1, 2, 3) for label, v in (("bf16", "false"), ("fp8", "true"))]
+
+
 SUITES: dict[str, list[Run]] = {
     # One GPU: zerolab against the baselines (0.5B and 7B shapes, packed 4k-token sequences).
     "single-0.5b": _suite_single("qwen2.5-0.5b", zero_mb=4, base_mb=4, plain_ckpt=False, steps=20, timeout_s=180),
@@ -163,16 +170,10 @@ SUITES: dict[str, list[Run]] = {
             overrides=("scaling.launch=workers",)),
         Run("zerolab-torchrun", "qwen2.5-0.5b", micro_batch=4, steps=20, window=10, variant=f"rep{rep}", timeout_s=180))],
     # FP8 products of the frozen base weights (model.fp8) against bf16, alternating, medians of three.
-    "fp8-7b": [Run("zerolab", "qwen2.5-7b", steps=12, window=6, variant=f"{label}-{rep}", timeout_s=240, overrides=(f"model.fp8={v}",))
-               for rep in (1, 2, 3) for label, v in (("bf16", "false"), ("fp8", "true"))],
-    # ZeRO-2 with two packed 4k rows per micro-batch (a step that waits on the GPU rather than the host),
-    # bf16 and FP8 base products alternating.
-    "fp8-7b-mb2": [Run("zerolab", "qwen2.5-7b", stage=2, micro_batch=2, steps=12, window=6, variant=f"{label}-mb2-{rep}", timeout_s=240,
-                       overrides=(f"model.fp8={v}",))
-                   for rep in (1, 2, 3) for label, v in (("bf16", "false"), ("fp8", "true"))],
-    "fp8-0.5b": [Run("zerolab", "qwen2.5-0.5b", micro_batch=4, steps=20, window=10, variant=f"{label}-{rep}", timeout_s=180,
-                     overrides=(f"model.fp8={v}",))
-                 for rep in (1, 2, 3) for label, v in (("bf16", "false"), ("fp8", "true"))],
+    "fp8-7b": _fp8_against_bf16("qwen2.5-7b", steps=12, window=6, timeout_s=240),
+    # ZeRO-2 with two packed 4k rows per micro-batch (a step that waits on the GPU rather than the host).
+    "fp8-7b-mb2": _fp8_against_bf16("qwen2.5-7b", "-mb2", stage=2, micro_batch=2, steps=12, window=6, timeout_s=240),
+    "fp8-0.5b": _fp8_against_bf16("qwen2.5-0.5b", micro_batch=4, steps=20, window=10, timeout_s=180),
     # FP8's accuracy: the same data and seed, 240 steps, the loss every 10 (bench/loss_curves.py compares
     # them); every projection in FP8 (the 0.5B's are narrower than model.fp8_min_features' default).
     "fp8-curve-0.5b": [Run("zerolab", "qwen2.5-0.5b", micro_batch=4, steps=240, window=10, variant=f"{label}-curve", timeout_s=420,
