@@ -199,8 +199,9 @@ SUITES: dict[str, list[Run]] = {
     "zero2-profile-7b": [Run("zerolab-torchrun", "qwen2.5-7b", stage=2, steps=8, window=4, variant=f"{label}-mb1", profile_steps=2,
                              timeout_s=240, overrides=(f"model.fp8={v}",)) for label, v in (("bf16", "false"), ("fp8", "true"))],
     # The same with two packed rows per micro-batch, the step that waits on the GPU: its own time per token.
-    "zero2-profile-7b-mb2": [Run("zerolab-torchrun", "qwen2.5-7b", stage=2, micro_batch=2, steps=8, window=4, variant="bf16-mb2",
-                                 profile_steps=2, timeout_s=240)],
+    "zero2-profile-7b-mb2": [Run("zerolab-torchrun", "qwen2.5-7b", stage=2, micro_batch=2, steps=8, window=4, variant=f"{label}-mb2",
+                                 profile_steps=2, timeout_s=240, overrides=(f"model.fp8={v}",))
+                             for label, v in (("bf16", "false"), ("fp8", "true"))],
     # ZeRO-3's step on one GPU (no interconnect: what the hooks and gathers cost by themselves).
     "zero3-profile-7b": [Run("zerolab-torchrun", "qwen2.5-7b", stage=stage, steps=8, window=4, variant="mb1", profile_steps=2,
                              timeout_s=240) for stage in (2, 3)],
