@@ -126,6 +126,18 @@ def test_order_is_reproducible_and_resume_continues_the_stream():
     assert make().epoch_plan(0) != make().epoch_plan(1)
 
 
+def test_an_epoch_is_planned_once_for_its_count_and_its_batches(monkeypatch):
+    mb = MicroBatches(rows_of(range(3, 40)), micro_batch_size=4, max_seq_length=64, packing=True, pad_id=0, seed=7)
+    planned, plan = [], mb.plan
+    monkeypatch.setattr(mb, "plan", lambda order: planned.append(order) or plan(order))
+    stream = mb.iterate()
+    for _ in range(mb.batches_per_epoch()):
+        next(stream)
+    assert len(planned) == 1
+    next(stream)
+    assert len(planned) == 2 and planned[1] == list(epoch_order(len(mb.rows), 7, 1))
+
+
 def test_packing_fills_sequences_and_restarts_positions():
     mb = MicroBatches(rows_of([10, 20, 30, 15, 40]), micro_batch_size=8, max_seq_length=50, packing=True, pad_id=0, seed=0)
     (batch,) = mb.sequential()

@@ -129,6 +129,7 @@ class MicroBatches:
         self.packing = packing
         self.pad_id = pad_id
         self.seed = seed
+        self._last_plan: tuple[int, list[list[list[int]]]] | None = None
 
     def plan(self, order: list[int]) -> list[list[list[int]]]:
         """Micro-batches of sequences of row indices, visiting rows in ``order``."""
@@ -136,7 +137,11 @@ class MicroBatches:
                                   max_seq_length=self.max_seq_length, packing=self.packing)
 
     def epoch_plan(self, epoch: int) -> list[list[list[int]]]:
-        return self.plan(epoch_order(len(self.rows), self.seed, epoch))
+        """Epoch ``epoch``'s plan; the last one planned is kept (a job counts epoch 0's micro-batches,
+        then trains on them)."""
+        if self._last_plan is None or self._last_plan[0] != epoch:
+            self._last_plan = (epoch, self.plan(epoch_order(len(self.rows), self.seed, epoch)))
+        return self._last_plan[1]
 
     def batches_per_epoch(self) -> int:
         return len(self.epoch_plan(0))
