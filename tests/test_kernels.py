@@ -411,18 +411,21 @@ def test_fp8_base_products_track_the_bf16_loss_and_gradients(request, device, me
     assert 0 < (flat - ref_flat).norm() / ref_flat.norm() < 0.1
 
 
+@pytest.mark.parametrize("cols", [1000, 18944])
 @pytest.mark.parametrize("device", DEVICES)
-def test_rows_quantize_to_e4m3_with_one_scale_each(device):
+def test_rows_quantize_to_e4m3_with_one_scale_each(device, cols):
     """Each row's absolute maximum maps to 448 (e4m3's largest), every value comes back within
     e4m3's rounding (a relative 2⁻⁴, or 2⁻⁹·scale near zero), a zero row stays zero; on GPUs the
-    Triton pass gives the torch formula's bits."""
-    t = torch.randn(64, 1000, dtype=torch.bfloat16).mul_(torch.logspace(-3, 3, 64).unsqueeze(1).to(torch.bfloat16))
+    Triton pass gives the torch formula's bits (rows of one block and of many)."""
+    t = torch.randn(64, cols, dtype=torch.bfloat16).mul_(torch.logspace(-3, 3, 64).unsqueeze(1).to(torch.bfloat16))
     t[5] = 0
+    t[9, cols - 1] = 1e4  # the row's maximum in its last column
     t = t.to(device)
     q, scale = kernels.quantize_rows(t)
     assert q.dtype == torch.float8_e4m3fn and scale.shape == (64, 1)
     back = q.float() * scale
-    assert torch.equal(q[5].float(), torch.zeros(1000, device=device))
+    assert torch.equal(q[5].float(), torch.zeros(cols, device=device))
+    assert back[9, cols - 1].item() == pytest.approx(t[9, cols - 1].item(), rel=1e-6)
     keep = torch.arange(64, device=device) != 5
     assert torch.allclose(back.abs().amax(1)[keep], t.float().abs().amax(1)[keep], rtol=1e-6)
     assert ((back - t.float()).abs() <= t.float().abs() / 16 + scale * 2**-9).all()
