@@ -498,7 +498,9 @@ def fp8_layers(model: torch.nn.Module, min_features: int) -> int:
     """Give every frozen ``nn.Linear`` of ``model`` that is :func:`fp8_eligible` (except the output
     head, whose product the fused loss makes) FP8 products; returns how many. Call after the
     adapter is applied (peft's LoRA layers then call their base layer, which is one of them) and
-    :func:`fuse_lora`; the e4m3 copies are made on each layer's first forward, on its device."""
+    :func:`fuse_lora`. The e4m3 copies are made here, on the weights' device, before the first
+    step's activations take memory around them (again on a layer's first forward if its weight
+    has moved)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     count = 0
     for module in model.modules():
@@ -506,6 +508,7 @@ def fp8_layers(model: torch.nn.Module, min_features: int) -> int:
                 and fp8_eligible(module.in_features, module.out_features, min_features)):
             module.zerolab_fp8 = True
             module.forward = types.MethodType(_fp8_linear_forward, module)
+            module.__dict__["_fp8_weight"] = Fp8Weight(module.weight)
             count += 1
     return count
 
