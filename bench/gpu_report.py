@@ -1,6 +1,6 @@
 """Record a run of the GPU test tier in the repository: its JUnit XML as a Markdown page.
 
-    pytest -m gpu --junitxml=gpu.xml; python bench/gpu_report.py gpu.xml --out docs/gpu_tests.md
+    pytest -m gpu -n 4 --junitxml=gpu.xml; python bench/gpu_report.py gpu.xml --out docs/gpu_tests.md
 
 The page lists every test with its outcome, time and, for a failure or skip, the first line of
 its message, under the machine and versions the suite recorded (``tests/conftest.py`` writes
@@ -89,7 +89,7 @@ def render(report: Report) -> str:
         "Written by `bench/gpu_report.py` from the JUnit XML of",
         "",
         "```bash",
-        "pytest -m gpu --junitxml=gpu.xml; python bench/gpu_report.py gpu.xml --out docs/gpu_tests.md",
+        "pytest -m gpu -n 4 --junitxml=gpu.xml; python bench/gpu_report.py gpu.xml --out docs/gpu_tests.md",
         "```",
         "",
         f"Run {report.timestamp or 'at an unrecorded time'} on {report.hostname or 'an unrecorded host'}: "

@@ -16,24 +16,34 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["HF_HUB_OFFLINE"] = "1"  # tests never download; an attempt fails at once instead of timing out
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _record_environment(record_testsuite_property) -> None:
+def pytest_sessionstart(session: pytest.Session) -> None:
     """The machine and versions, as test-suite properties of a --junitxml report (bench/gpu_report.py
-    puts them in the recorded page; without --junitxml this does nothing)."""
+    puts them in the recorded page; without --junitxml this does nothing). Added by the process that
+    writes the report: under pytest-xdist (``-n``, as the GPU tier runs) that is the controller, and
+    its workers' ``record_testsuite_property`` records nothing."""
+    from _pytest.junitxml import xml_key
+
+    xml = session.config.stash.get(xml_key, None)
+    if xml is None:
+        return
+    for name, value in _environment().items():
+        xml.add_global_property(name, value)
+
+
+def _environment() -> dict[str, object]:
     import importlib.metadata
 
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    record_testsuite_property("device", torch.cuda.get_device_name(0) if gpus else "cpu")
-    record_testsuite_property("gpus", gpus)
-    record_testsuite_property("cuda", torch.version.cuda or "none")
+    found = {"device": torch.cuda.get_device_name(0) if gpus else "cpu", "gpus": gpus, "cuda": torch.version.cuda or "none"}
     for package in ("torch", "deepspeed", "ray", "transformers", "peft", "mlflow", "liger_kernel"):
         try:
-            record_testsuite_property(package, importlib.metadata.version(package.replace("_", "-")))
+            found[package] = importlib.metadata.version(package.replace("_", "-"))
         except importlib.metadata.PackageNotFoundError:
-            record_testsuite_property(package, "not installed")
-    record_testsuite_property("commit", os.environ.get("ZEROLAB_COMMIT") or _checkout_commit())
+            found[package] = "not installed"
+    found["commit"] = os.environ.get("ZEROLAB_COMMIT") or _checkout_commit()
+    return found
 
 
 _BACKGROUND: list = []

@@ -77,3 +77,18 @@ def test_the_recorded_commit_is_this_checkouts_or_unknown(tmp_path):
     code = "import conftest, os; print(conftest._checkout_commit())"
     out = subprocess.run([sys.executable, "-c", code], cwd=outer / "copy" / "tests", capture_output=True, text=True)
     assert out.stdout.strip() == "unknown", out.stderr[-2000:]
+
+
+def test_a_parallel_run_records_the_machine_and_versions(tmp_path):
+    """The GPU tier runs under pytest-xdist (``-n``), whose workers cannot add test-suite properties:
+    the process that writes the report records them."""
+    gpu_report = load_report_module()
+    xml = tmp_path / "run.xml"
+    tests = ["tests/test_config.py::test_embedded_default_is_valid_and_round_trips", "tests/test_config.py::test_overrides_are_typed_from_yaml"]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", *tests, f"--junitxml={xml}"],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+
+    report = gpu_report.read_junit(xml)
+    assert report.counts()["passed"] == 2
+    assert set(gpu_report.ENVIRONMENT_KEYS) <= set(report.properties), report.properties

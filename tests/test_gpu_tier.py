@@ -1,6 +1,6 @@
 """The GPU tier: every adapter method on ZeRO 0/2/3 as a real zerolab job on 1 and 2 GPUs.
 
-    pytest -m gpu --junitxml=gpu.xml; python bench/gpu_report.py gpu.xml --out docs/gpu_tests.md
+    pytest -m gpu -n 4 --junitxml=gpu.xml; python bench/gpu_report.py gpu.xml --out docs/gpu_tests.md
 
 Each case is a zerolab job through Ray Train (``run_sft`` with ``scaling.use_gpu=true``: NCCL,
 bf16, and Liger's kernels and the fused LoRA forward wherever zerolab applies them) on a
