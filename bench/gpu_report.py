@@ -100,7 +100,7 @@ def render(report: Report) -> str:
     if env:
         lines += ["| | |", "|---|---|", *(f"| {k} | {_cell(v)} |" for k, v in env.items()), ""]
     lines += ["| test | case | result | s | message |", "|---|---|---|---:|---|"]
-    for c in report.cases:
+    for c in sorted(report.cases, key=lambda c: (c.test, c.params)):  # pytest-xdist reports cases as they finish
         lines.append(f"| `{c.test}` | {_cell(c.params)} | {c.outcome} | {c.seconds:.1f} | {_cell(c.message)} |")
     return "\n".join(lines) + "\n"
 

@@ -38,10 +38,14 @@ def _environment() -> dict[str, object]:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     found = {"device": torch.cuda.get_device_name(0) if gpus else "cpu", "gpus": gpus, "cuda": torch.version.cuda or "none"}
     for package in ("torch", "deepspeed", "ray", "transformers", "peft", "mlflow", "liger_kernel"):
-        try:
-            found[package] = importlib.metadata.version(package.replace("_", "-"))
-        except importlib.metadata.PackageNotFoundError:
-            found[package] = "not installed"
+        found[package] = "not installed"
+        # mlflow-skinny is MLflow without its server (the GPU hosts); it is imported as mlflow too.
+        for distribution in (package.replace("_", "-"), f"{package}-skinny"):
+            try:
+                found[package] = importlib.metadata.version(distribution)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                pass
     found["commit"] = os.environ.get("ZEROLAB_COMMIT") or _checkout_commit()
     return found
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import subprocess
 import sys
@@ -58,6 +59,8 @@ def test_a_pytest_junit_report_becomes_the_page(tmp_path):
     rows = [line for line in page.splitlines() if line.startswith("| `test_sample.py")]
     assert len(rows) == 3 and rows[1].startswith("| `test_sample.py::test_matrix` | 2gpu-full-zero3 | failed |")
     assert "logits differ \\| by 3e-1" in rows[1]  # a '|' in a message does not split the table's cell
+    # The rows keep their order whatever order the cases finished in (pytest-xdist writes them so).
+    assert gpu_report.render(dataclasses.replace(report, cases=report.cases[::-1])) == page
 
 
 def test_the_recorded_commit_is_this_checkouts_or_unknown(tmp_path):
