@@ -77,6 +77,13 @@ class Run:
         return "-".join(parts)
 
 
+def _suite_ray_path(shape: str, **settings: Any) -> list[Run]:
+    return [r for rep in (1, 2, 3) for r in (
+        Run("zerolab", shape, variant=f"auto-{rep}", **settings),
+        Run("zerolab", shape, variant=f"workers-{rep}", overrides=("scaling.launch=workers",), **settings),
+        Run("zerolab-torchrun", shape, variant=f"rep{rep}", **settings))]
+
+
 def _suite_single(shape: str, zero_mb: int, base_mb: int, plain_ckpt: bool, steps: int, timeout_s: int) -> list[Run]:
     w, t = steps // 2, timeout_s
     return [
@@ -164,11 +171,9 @@ SUITES: dict[str, list[Run]] = {
     # The Ray path's cost on one GPU, medians of three alternating: zerolab as a job runs it (one
     # worker: in the job's process, Ray Train's local mode), zerolab through Ray Train's worker group,
     # and the same loop under bare torchrun.
-    "ray-path-0.5b": [r for rep in (1, 2, 3) for r in (
-        Run("zerolab", "qwen2.5-0.5b", micro_batch=4, steps=20, window=10, variant=f"auto-{rep}", timeout_s=180),
-        Run("zerolab", "qwen2.5-0.5b", micro_batch=4, steps=20, window=10, variant=f"workers-{rep}", timeout_s=180,
-            overrides=("scaling.launch=workers",)),
-        Run("zerolab-torchrun", "qwen2.5-0.5b", micro_batch=4, steps=20, window=10, variant=f"rep{rep}", timeout_s=180))],
+    "ray-path-0.5b": _suite_ray_path("qwen2.5-0.5b", micro_batch=4, steps=20, window=10, timeout_s=180),
+    # The same at the recommended 7B setting: ZeRO-2, two packed 4k rows per micro-batch.
+    "ray-path-7b-mb2": _suite_ray_path("qwen2.5-7b", stage=2, micro_batch=2, steps=12, window=6, timeout_s=240),
     # FP8 products of the frozen base weights (model.fp8) against bf16, alternating, medians of three.
     "fp8-7b": _fp8_against_bf16("qwen2.5-7b", steps=12, window=6, timeout_s=240),
     # ZeRO-2 with two packed 4k rows per micro-batch (a step that waits on the GPU rather than the host).
