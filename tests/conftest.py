@@ -39,8 +39,8 @@ def _environment() -> dict[str, object]:
     found = {"device": torch.cuda.get_device_name(0) if gpus else "cpu", "gpus": gpus, "cuda": torch.version.cuda or "none"}
     for package in ("torch", "deepspeed", "ray", "transformers", "peft", "mlflow", "liger_kernel"):
         found[package] = "not installed"
-        # mlflow-skinny is MLflow without its server (the GPU hosts); it is imported as mlflow too.
-        for distribution in (package.replace("_", "-"), f"{package}-skinny"):
+        # mlflow-skinny, MLflow without its server (the GPU hosts), is imported as mlflow too.
+        for distribution in (package.replace("_", "-"), *(("mlflow-skinny",) if package == "mlflow" else ())):
             try:
                 found[package] = importlib.metadata.version(distribution)
                 break
