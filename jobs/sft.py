@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. --set adapter.r=16")
     parser.add_argument("--restart", action="store_true", help="discard an existing run of this name (and its checkpoints) and start over")
     parser.add_argument("--force", action="store_true", help="launch even when the memory preflight says the job cannot fit")
+    parser.add_argument("--accept-changed-data", action="store_true",
+                        help="resume a run whose data files changed since it began (refused otherwise)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
 
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.set)
         launched = process_start_time() if argv is None else None
         return (run_sft_warm if wanted(cfg) else run_sft)(cfg, config_file=args.config, restart=args.restart, force=args.force,
-                                                           launched=launched)
+                                                           launched=launched, accept_changed_data=args.accept_changed_data)
 
     try:
         code, message = run_job(job, command=sys.argv if argv is None else ["jobs/sft.py", *argv])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import json
 import logging
 import os
@@ -29,10 +30,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 from zerolab.config import SFTConfig
 from zerolab.errors import UserError
+from zerolab.stop import shielded
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +48,13 @@ SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
 RESUME_SAFE_KEYS = {
     "train.log_every_n_steps", "train.checkpoint_every_n_steps", "train.keep_checkpoints",
     "run.max_failures", "run.storage_path", "run.max_wall_time_s", "tracking.uri", "tracking.experiment",
+    "tracking.register", "tracking.registered_model", "tracking.model_alias", "tracking.system_metrics_interval_s",
+    "eval.enabled", "eval.num_examples", "eval.max_new_tokens", "eval.batch_size", "eval.compare_base", "eval.num_workers",
     "scaling.cpus_per_worker", "scaling.placement_strategy", "scaling.launch", "model.attn_implementation",
     "model.gradient_checkpointing", "deepspeed.config", "deepspeed.z3_leaf_layers",
 }
-"""Keys a relaunch may change without changing what is trained (or what the checkpoint holds)."""
+"""Keys a relaunch may change without changing what is trained (or what the checkpoint holds): how
+it runs, where it is recorded and registered, and what is evaluated after training."""
 
 EXTENSION_KEYS = {"train.max_steps"}
 """Keys that may grow when a finished run is continued."""
@@ -97,6 +103,8 @@ class RunRecord:
     checkpoint: str | None = None
     registered: str | None = None
     """``models:/<name>/<version>`` of the registered adapter, once registered."""
+    data: dict[str, str] | None = None
+    """Each split's data fingerprint (sha256 of its files), as trained."""
 
     @classmethod
     def from_json(cls, value: Any) -> RunRecord:
@@ -143,6 +151,7 @@ class RunFolder:
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise _Unreadable(f"{self.uri}/{name}", exc) from None
 
+    @shielded()
     def write_json(self, name: str, value: Any) -> None:
         self.fs.create_dir(self.path, recursive=True)
         with self.fs.open_output_stream(f"{self.path}/{name}") as f:
@@ -244,6 +253,59 @@ class RunFolder:
         )
 
 
+class StorageUnavailable(UserError):
+    """``run.storage_path`` cannot hold run folders; the message names what was found and the fix."""
+
+
+def check_storage(storage_path: str) -> None:
+    """Fail before anything starts when ``storage_path`` cannot hold run folders: an unknown or
+    malformed URI, a bucket that does not exist, credentials the store refuses, a path that names a
+    file, a read-only or full filesystem. A small file is written and removed to prove it."""
+    from zerolab.tracking import mask_text
+
+    shown = mask_text(storage_path)
+    try:
+        fs, root = pafs.FileSystem.from_uri(storage_path)
+    except (OSError, ValueError, pa.ArrowException) as exc:
+        raise StorageUnavailable(f"run.storage_path: {shown} is not a storage location zerolab can open ({_reason(exc)}); "
+                                 f"give a local folder or an s3://, gs:// or hdfs:// URI (see README, 'S3 and GCS storage')") from None
+    probe = f"{root.rstrip('/')}/.zerolab-write-check-{socket.gethostname()}-{os.getpid()}"
+    try:
+        info = fs.get_file_info(root)
+        if info.type == pafs.FileType.File:
+            raise StorageUnavailable(f"run.storage_path: {shown} is a file, not a folder; give a folder for the run folders "
+                                     f"(it is created if missing)")
+        fs.create_dir(root, recursive=True)
+        with fs.open_output_stream(probe) as f:
+            f.write(b"zerolab")
+        fs.delete_file(probe)
+    except (OSError, pa.ArrowException) as exc:
+        reason = _reason(exc)
+        if "not found" in reason.lower() and ("bucket" in reason.lower() or "container" in reason.lower()):
+            fix = "create the bucket, or fix its name in run.storage_path"
+        elif any(word in reason.lower() for word in ("access denied", "accessdenied", "forbidden", "invalidaccesskeyid",
+                                                     "signaturedoesnotmatch", "credential", "permission", "unauthori")):
+            fix = ("check the credentials this process uses (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE for S3, "
+                   "GOOGLE_APPLICATION_CREDENTIALS for GCS) and that they may write there, or choose a folder you can write to")
+        elif isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            fix = "choose a folder you can write to"
+        elif isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            fix = "free some space, or choose another disk"
+        elif isinstance(exc, (NotADirectoryError, FileExistsError)):
+            fix = "a part of the path is a file: choose a folder path"
+        else:
+            fix = "check the location and that this machine can reach and write it"
+        raise StorageUnavailable(f"run.storage_path: cannot write run folders to {shown} ({reason}); {fix}") from None
+
+
+def _reason(exc: BaseException) -> str:
+    """An error's first line, credentials masked."""
+    from zerolab.tracking import mask_text
+
+    text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    return mask_text(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
+
+
 class _Unreadable(Exception):
     def __init__(self, where: str, exc: BaseException) -> None:
         super().__init__(where)
@@ -332,6 +394,28 @@ def _check_same_training(cfg: SFTConfig, folder: RunFolder, record: RunRecord, *
             "A relaunch resumes that run, so it must train the same thing: choose a new run.name, or pass "
             "--restart to discard the old run and its checkpoints."
         )
+
+
+def check_same_data(cfg: SFTConfig, folder: RunFolder, record: RunRecord, fingerprints: dict[str, str], *,
+                    accept: bool = False) -> None:
+    """Refuse a relaunch whose data files changed since the run began (other rows, same names):
+    resuming would train the rest of the run on other data than its first steps. ``accept`` resumes
+    anyway, with a warning. Records written before runs kept their data's fingerprint pass."""
+    if not record.data:
+        return
+    changed = {split: (record.data[split], now) for split, now in fingerprints.items()
+               if split in record.data and record.data[split] != now}
+    if not changed:
+        return
+    diffs = ", ".join(f"{split} data {was[:16]} -> {now[:16]}" for split, (was, now) in sorted(changed.items()))
+    if accept:
+        logger.warning("run '%s' resumes on changed data (%s), as accepted", cfg.run.name, diffs)
+        return
+    raise CheckpointError(
+        f"run.name '{cfg.run.name}' in {folder.uri} was trained on other data than its files hold now ({diffs}; sha256 of "
+        f"the files' names and bytes). A relaunch resumes that run, so it must train on the same data: restore the files, "
+        f"choose a new run.name, pass --restart to start the run over, or pass --accept-changed-data to resume on the new data."
+    )
 
 
 def choose_checkpoint(folder: RunFolder, *, stage: int, world_size: int) -> str | None:

@@ -29,15 +29,17 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 def run_job(job: Callable[[], Any], *, command: Sequence[str] | None = None) -> tuple[int, str]:
     """Run ``job``; return the exit code and what the job prints: its summary, or the error as
-    one message without a traceback, credentials masked. ``command`` (the job's argv) makes a
+    one message without a traceback, credentials masked. SIGTERM stops it like Ctrl-C, at once
+    outside training (after a record write in progress), exit 130. ``command`` (the job's argv) makes a
     stopped run's message end with the exact command that resumes it."""
     from ray.train import TrainingFailedError
 
-    from zerolab.run import DeadlineReached, Interrupted
+    from zerolab.stop import DeadlineReached, Interrupted, signals_interrupt
     from zerolab.tracking import mask_text
 
     try:
-        result = job()
+        with signals_interrupt():
+            result = job()
     except user_errors() as exc:
         return USER_ERROR, mask_text(f"\nerror: {exc}")
     except Interrupted as exc:

@@ -3,7 +3,6 @@ worker starts, prepare the data, open the MLflow run and run the ``TorchTrainer`
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import importlib.metadata
 import json
@@ -12,11 +11,8 @@ import os
 import platform as _platform
 import re
 import secrets
-import signal
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -24,9 +20,9 @@ from typing import Any
 import yaml
 
 import zerolab
-from zerolab import ds_config, tracking
+from zerolab import ds_config, stop, tracking
 from zerolab.cadence import STOPPED_AT_DEADLINE
-from zerolab.checkpoints import RunFolder, RunRecord, location, prepare_run_folder
+from zerolab.checkpoints import RunFolder, RunRecord, check_same_data, check_storage, location, prepare_run_folder
 from zerolab.cluster import (
     adopt_worker_env,
     connect_ray,
@@ -42,6 +38,7 @@ from zerolab.config import ConfigError, SFTConfig
 from zerolab.data import DataError, PreparedSplit, SplitReport, dataset_paths, prepare_split
 from zerolab.errors import EnvironmentProblem
 from zerolab.memory import load_model_config
+from zerolab.stop import DeadlineReached, Interrupted, StopSignal
 
 logger = logging.getLogger("zerolab")
 
@@ -59,7 +56,8 @@ class RunResult:
 
 def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: bool = False, force: bool = False,
             parent_run_id: str | None = None, in_tune: bool = False, launched: float | None = None,
-            shared_data: dict[str, PreparedSplit] | None = None, stop_flag: Any = None) -> RunResult:
+            shared_data: dict[str, PreparedSplit] | None = None, stop_flag: Any = None,
+            accept_changed_data: bool = False) -> RunResult:
     """Run one SFT job end to end and return where its results are.
 
     A run is its run folder (``run.storage_path/run.name``) plus its MLflow run, each recording the
@@ -70,10 +68,13 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
 
     Raises a UserError subclass (ConfigError, DataError, ModelLoadError, CheckpointError,
     EnvironmentProblem, TrackingUnavailable, MemoryPreflightError unless ``force``) for
-    user-fixable problems, before any worker starts. The first SIGINT or SIGTERM asks the workers
-    to checkpoint and stop at the next logging step (the run ends KILLED and a relaunch resumes
-    it); a second one aborts at once. ``run.max_wall_time_s`` stops the run the same way
-    (DeadlineReached).
+    user-fixable problems, before any worker starts: also StorageUnavailable for a storage path that
+    cannot be written, and CheckpointError for a relaunch whose data changed (unless
+    ``accept_changed_data``). During training the first SIGINT or SIGTERM asks the workers to
+    checkpoint and stop at the next logging step (the run ends KILLED and a relaunch resumes it); a
+    second one aborts at once; one during start-up (with :func:`zerolab.stop.signals_interrupt`
+    installed, as the jobs do) raises Interrupted at once, nothing trained. ``run.max_wall_time_s``
+    stops the run like a signal (DeadlineReached).
 
     Under Ray Tune (``in_tune``, from :mod:`zerolab.tune`) every logged window is reported to the
     trial, and the MLflow run is a child of ``parent_run_id``. ``launched`` (the job process's
@@ -83,50 +84,75 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
     """
     clock = StartupClock(launched)
     cfg = with_run_name(cfg)
+    check_registry_name(cfg)
     storage = storage_path(cfg)
+    check_storage(storage)
     folder = RunFolder.of(cfg, storage)
-    with folder.locked():
-        resume = prepare_run_folder(cfg, storage, restart=restart)
-        uri = _store_of(cfg, storage, resume.record)
-        tracking.check_store(uri)
-        store_opened = tracking.warm_up(uri)
-        clock.mark("run folder and MLflow store checks")
-        if may_train_in_driver(cfg):
-            adopt_worker_env(cfg)
-        if needs_ray(cfg):
-            connect_ray(cfg, importing=job_imports(cfg))
-            clock.mark("Ray (the training stack imported meanwhile)")
-        else:
-            logger.info("one worker on this machine: it trains in this process, without starting Ray (Ray Train's local mode)")
-            import_now(job_imports(cfg))
-            clock.mark("the training stack's imports")
-        launch = resolve_launch(cfg)
-        check_resources(cfg, launch)
-        plan = plan_job(cfg, force=force, clock=clock, shared_data=shared_data, launch=launch)
-        if resume.checkpoint:
-            logger.info("%s %s from %s", "continuing finished run" if resume.extends else "resuming", cfg.run.name, resume.checkpoint)
-        warn_if_node_local(uri)
-        tags = {**run_tags(cfg, plan.commit), tracking.RUN_FOLDER_TAG: tracking.mask_text(folder.uri),
-                **({"mlflow.parentRunId": parent_run_id} if parent_run_id else {})}
-        store_opened.join(timeout=60)
-        recorded_id = resume.record.run_id if resume.record and resume.record.tracking_uri == tracking.mask_text(uri) else None
-        with tracking.tracked_run(uri, cfg.tracking.experiment, cfg.run.name, tags=tags, new=restart, run_id=recorded_id) as run:
-            logger.info("MLflow run %s (%s) in experiment '%s' at %s", run.run_id, "resumed" if run.resumed else "new",
-                        cfg.tracking.experiment, tracking.mask_text(uri))
-            record = RunRecord(config=tracking.mask_params(cfg.flat()), tracking_uri=tracking.mask_text(uri),
-                               experiment=cfg.tracking.experiment, run_id=run.run_id,
-                               **({"started_at": resume.record.started_at} if resume.record else {}))
-            try:
-                return _train(plan, run, record, folder, clock, config_file, in_tune, resume.checkpoint, stop_flag)
-            except KeyboardInterrupt:
-                run.status, record.status = "KILLED", "stopped"
-                raise
-            finally:
-                _settle_record(folder, record, run.status)
+    stopper: StopSignal | None = None
+    try:
+        with folder.locked():
+            resume = prepare_run_folder(cfg, storage, restart=restart)
+            uri = _store_of(cfg, storage, resume.record)
+            tracking.check_store(uri)
+            store = tracking.StoreCheck(uri, cfg.tracking.experiment, registry=cfg.tracking.register)
+            clock.mark("run folder and MLflow store checks")
+            if may_train_in_driver(cfg):
+                adopt_worker_env(cfg)
+            if needs_ray(cfg):
+                connect_ray(cfg, importing=job_imports(cfg))
+                clock.mark("Ray (the training stack imported meanwhile)")
+            else:
+                logger.info("one worker on this machine: it trains in this process, without starting Ray (Ray Train's local mode)")
+                import_now(job_imports(cfg))
+                clock.mark("the training stack's imports")
+            launch = resolve_launch(cfg)
+            check_resources(cfg, launch)
+            plan = plan_job(cfg, force=force, clock=clock, shared_data=shared_data, launch=launch)
+            if resume.record is not None and not restart:
+                check_same_data(cfg, folder, resume.record, {k: r.fingerprint for k, r in plan.reports.items()},
+                                accept=accept_changed_data)
+            if resume.checkpoint:
+                logger.info("%s %s from %s", "continuing finished run" if resume.extends else "resuming", cfg.run.name, resume.checkpoint)
+            warn_if_node_local(uri)
+            tags = {**run_tags(cfg, plan.commit), tracking.RUN_FOLDER_TAG: tracking.mask_text(folder.uri),
+                    **({"mlflow.parentRunId": parent_run_id} if parent_run_id else {})}
+            store.result()
+            recorded_id = resume.record.run_id if resume.record and resume.record.tracking_uri == tracking.mask_text(uri) else None
+            with tracking.tracked_run(uri, cfg.tracking.experiment, cfg.run.name, tags=tags, new=restart, run_id=recorded_id) as run:
+                logger.info("MLflow run %s (%s) in experiment '%s' at %s", run.run_id, "resumed" if run.resumed else "new",
+                            cfg.tracking.experiment, tracking.mask_text(uri))
+                record = RunRecord(config=tracking.mask_params(cfg.flat()), tracking_uri=tracking.mask_text(uri),
+                                   experiment=cfg.tracking.experiment, run_id=run.run_id,
+                                   data={k: r.fingerprint for k, r in plan.reports.items()},
+                                   **({"started_at": resume.record.started_at} if resume.record else {}))
+                stopper = StopSignal(cfg.train.log_every_n_steps, plan.launch, stop_flag)
+                try:
+                    return _train(plan, run, record, folder, clock, config_file, in_tune, resume.checkpoint, stopper)
+                except KeyboardInterrupt:
+                    run.status, record.status = "KILLED", "stopped"
+                    raise
+                finally:
+                    with stop.shielded():
+                        _settle_record(folder, record, run.status)
+    except KeyboardInterrupt:
+        if stopper is not None and stopper.fitting:
+            raise
+        raise Interrupted(f"stopped during start-up, before training began: nothing was trained. Relaunch with "
+                          f"run.name={cfg.run.name} to start it (it keeps this run's MLflow record).", run_name=cfg.run.name) from None
+
+
+def check_registry_name(cfg: SFTConfig) -> None:
+    """Refuse, before anything starts, a registered-model name MLflow would refuse after training."""
+    if not cfg.tracking.register:
+        return
+    key = "tracking.registered_model" if cfg.tracking.registered_model else "run.name"
+    problem = tracking.model_name_problem(cfg.tracking.registered_model or cfg.run.name, key)
+    if problem:
+        raise ConfigError([problem])
 
 
 def _train(plan: JobPlan, run: tracking.TrackedRun, record: RunRecord, folder: RunFolder, clock: StartupClock,
-           config_file: str | Path | None, in_tune: bool, resume_from: str | None, stop_flag: Any) -> RunResult:
+           config_file: str | Path | None, in_tune: bool, resume_from: str | None, stopper: StopSignal) -> RunResult:
     """Record the job's inputs, run the trainer, and record its outcome into ``run`` and ``record``."""
     cfg, memory = plan.cfg, plan.memory
     run.log_params(tracking.mask_params({**cfg.flat(), **derived_params(cfg, plan.reports, plan.commit, plan.launch), **memory.params()}))
@@ -135,10 +161,9 @@ def _train(plan: JobPlan, run: tracking.TrackedRun, record: RunRecord, folder: R
     folder.write_record(record)  # training begins
     clock.mark("MLflow run")
     deadline = clock.launched + cfg.run.max_wall_time_s if cfg.run.max_wall_time_s else None
-    stop = StopSignal(cfg.train.log_every_n_steps, plan.launch, stop_flag)
-    trainer = build_trainer(plan, run.uri, run.run_id, stop.flag, in_tune=in_tune, deadline=deadline, resume_from=resume_from)
-    with stop.installed():
-        result = stop.fit(trainer)
+    trainer = build_trainer(plan, run.uri, run.run_id, stopper.flag, in_tune=in_tune, deadline=deadline, resume_from=resume_from)
+    with stopper.installed():
+        result = stopper.fit(trainer)
     in_driver = trainer.train_loop_config.get("in_driver")
     metrics, checkpoint = in_driver.last if in_driver else (dict(result.metrics or {}), result.checkpoint)
     assert checkpoint is not None, "the run finished without a final checkpoint"
@@ -303,113 +328,6 @@ def _settle_record(folder: RunFolder, record: RunRecord, mlflow_status: str) -> 
 
 def _checkpoint_step(name: str | None) -> int | None:
     return int(name.rsplit("_", 1)[-1]) if name and name.rsplit("_", 1)[-1].isdigit() else None
-
-
-class Interrupted(RuntimeError):
-    """The run stopped on request after saving a checkpoint."""
-
-    def __init__(self, message: str, *, run_name: str | None = None) -> None:
-        super().__init__(message)
-        self.run_name = run_name
-
-    def __reduce__(self) -> tuple:  # raised in a warm trainer (zerolab.warm) and re-raised by its job
-        return _rebuild_interrupted, (type(self), str(self), self.run_name)
-
-
-def _rebuild_interrupted(cls: type[Interrupted], message: str, run_name: str | None) -> Interrupted:
-    return cls(message, run_name=run_name)
-
-
-class DeadlineReached(Interrupted):
-    """The run stopped at ``run.max_wall_time_s`` after saving a checkpoint."""
-
-
-class StopSignal:
-    """A flag set by the first SIGINT/SIGTERM the driver gets, read by the workers at logging steps.
-
-    Rank 0 reads it at each logging step, where the loop synchronises anyway, and shares it through
-    that step's all-reduce, so every rank stops after the same step and joins the final
-    checkpoint's collectives; reading it every step would cost a device sync per step. A job that
-    trains in its own process (``launch`` ``driver``) reads a ``threading.Event``; a worker group
-    an actor on the driver's node.
-    """
-
-    def __init__(self, log_every_n_steps: int, launch: str, flag: Any = None) -> None:
-        self.log_every_n_steps = log_every_n_steps
-        self._requested = False
-        self.flag: Any = flag if flag is not None else threading.Event() if launch == "driver" else stop_flag_actor()
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self._requested:
-            raise KeyboardInterrupt
-        self._requested = True
-        if isinstance(self.flag, threading.Event):
-            self.flag.set()
-        else:
-            self.flag.set.remote()
-        log_stop_requested(signal.Signals(signum).name, self.log_every_n_steps)
-
-    @staticmethod
-    def fit(trainer: Any) -> Any:
-        """``trainer.fit()``, on a helper thread when called from the main thread: Ray Train replaces
-        the main thread's SIGINT handler with one that kills the workers at once, and signals reach
-        only the main thread, which here just waits."""
-        if threading.current_thread() is not threading.main_thread():
-            return trainer.fit()
-        outcome: dict[str, Any] = {}
-
-        def target() -> None:
-            try:
-                outcome["result"] = trainer.fit()
-            except BaseException as exc:  # re-raised on the main thread
-                outcome["error"] = exc
-
-        thread = threading.Thread(target=target, name="zerolab-fit", daemon=True)
-        thread.start()
-        while thread.is_alive():
-            thread.join(timeout=0.5)
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome["result"]
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield  # signal handlers can only be set from the main thread
-            return
-        previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-
-
-class StopFlag:
-    """The stop flag as a Ray actor (:func:`stop_flag_actor`), for a run that trains in other processes."""
-
-    def __init__(self) -> None:
-        self.value = False
-
-    def set(self) -> None:
-        self.value = True
-
-    def get(self) -> bool:
-        return self.value
-
-
-def stop_flag_actor() -> Any:
-    """A :class:`StopFlag` actor on this process's node, like Ray Train's controller: on a worker
-    node it would die with that node, and the retry from the last checkpoint would fail on the lost flag."""
-    import ray
-
-    return ray.remote(num_cpus=0)(StopFlag).options(label_selector={"ray.io/node-id": ray.get_runtime_context().get_node_id()}).remote()
-
-
-def log_stop_requested(signal_name: str, log_every_n_steps: int) -> None:
-    logger.warning("%s received: the workers will save a checkpoint and stop at the next logging step (within "
-                   "train.log_every_n_steps=%d steps); send it again to abort without a checkpoint",
-                   signal_name, log_every_n_steps)
 
 
 def check_resources(cfg: SFTConfig, launch: str) -> None:

@@ -9,16 +9,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import posixpath
 import re
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from zerolab.errors import UserError
+from zerolab.stop import shielded
 
 logger = logging.getLogger(__name__)
 
@@ -52,16 +57,20 @@ class TrackingUnavailable(UserError):
     """The MLflow store cannot be reached or written; the message names it and the fix."""
 
 
+class RegistrationFailed(TrackingUnavailable):
+    """The Model Registry refused a trained adapter; the run keeps its checkpoint and a relaunch registers it."""
+
+
 def check_store(uri: str, timeout_s: float = 5.0) -> None:
-    """Fail in seconds, before anything starts, when the MLflow store cannot be used: a server
-    that does not answer its health check, or a SQLite file whose folder cannot be written.
-    (MLflow's client retries an unreachable server for minutes.)"""
+    """Fail in seconds, before anything starts, when the MLflow store cannot be used: a server that
+    does not answer its health check (MLflow's client retries one for minutes), a file store MLflow
+    refuses, or a SQLite file that cannot be written, is not a database, is damaged, is locked by
+    another writer or sits on a full disk. What only MLflow can tell (a deleted experiment, a
+    registry that refuses) is checked by :class:`StoreCheck`."""
     shown = mask_text(uri)
     fix = "start it, fix tracking.uri (or MLFLOW_TRACKING_URI), or unset both to use the local store beside the runs"
-    if uri.startswith(("http://", "https://")):
-        import urllib.error
-        import urllib.request
-
+    scheme = urllib.parse.urlparse(uri).scheme
+    if scheme in ("http", "https"):
         try:
             with urllib.request.urlopen(f"{_without_userinfo(uri).rstrip('/')}/health", timeout=timeout_s):
                 return
@@ -71,14 +80,120 @@ def check_store(uri: str, timeout_s: float = 5.0) -> None:
             reason = getattr(exc, "reason", exc)
             raise TrackingUnavailable(f"tracking.uri: the MLflow server at {shown} does not answer ({reason}); {fix}") from None
     if uri.startswith("sqlite:///"):
-        folder = Path(uri[len("sqlite:///"):]).parent
+        _check_sqlite(Path(uri[len("sqlite:///"):]), shown, timeout_s)
+    elif scheme in ("", "file") and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("true", "1"):
+        folder = uri[len("file://"):] if scheme == "file" else uri
+        raise TrackingUnavailable(
+            f"tracking.uri: {shown} is a file store (a folder of files), which MLflow 3 refuses unless "
+            f"MLFLOW_ALLOW_FILE_STORE=true is exported; use a SQLite store instead, e.g. tracking.uri=sqlite:///"
+            f"{Path(folder).expanduser().resolve().parent / 'mlflow.db'} (`mlflow migrate-filestore` moves an existing "
+            f"folder's runs there), or export MLFLOW_ALLOW_FILE_STORE=true to keep the file store")
+
+
+_STORE_MIN_FREE = 64 * 2**20
+"""Free disk below which a SQLite store counts as full: MLflow's writes need room for the journal."""
+
+
+def _check_sqlite(path: Path, shown: str, timeout_s: float) -> None:
+    import shutil
+    import sqlite3
+
+    fix = "or point tracking.uri (or MLFLOW_TRACKING_URI) at another store"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise TrackingUnavailable(f"tracking.uri: cannot create the folder of the MLflow store {shown} ({exc.strerror}); "
+                                  f"choose a writable folder, {fix}") from None
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise TrackingUnavailable(f"tracking.uri: the MLflow store {shown} (or its folder) is not writable; "
+                                  f"fix its permissions, {fix}")
+    free = shutil.disk_usage(path.parent).free
+    if free < _STORE_MIN_FREE:
+        raise TrackingUnavailable(f"tracking.uri: the disk of the MLflow store {shown} is full ({free / 2**20:.0f} MiB free); "
+                                  f"free some space, {fix}")
+    if not path.exists() or path.stat().st_size == 0:
+        return  # a new store: MLflow creates its tables
+    try:
+        con = sqlite3.connect(f"{path.as_uri()}?mode=rw", uri=True, timeout=timeout_s)
+    except sqlite3.Error as exc:
+        raise TrackingUnavailable(f"tracking.uri: cannot open the MLflow store {shown} ({exc}); {fix}") from None
+    try:
+        # quick_check reads every page: a damaged store is found here, not in the middle of a run.
+        # Large stores get the header and schema read only (seconds per GiB otherwise).
+        query = "PRAGMA quick_check(1)" if path.stat().st_size < 512 * 2**20 else "SELECT count(*) FROM sqlite_master"
+        found = con.execute(query).fetchone()
+        if query.startswith("PRAGMA") and found and found[0] != "ok":
+            raise sqlite3.DatabaseError(f"database disk image is malformed: {' '.join(str(found[0]).split())}")
+        con.execute("BEGIN IMMEDIATE")  # waits up to timeout_s for another writer
+        con.rollback()
+    except sqlite3.OperationalError as exc:
+        if "locked" in str(exc) or "busy" in str(exc):
+            raise TrackingUnavailable(
+                f"tracking.uri: the MLflow store {shown} is locked by another process that has been writing to it for "
+                f"over {timeout_s:g} s (a program holding a transaction open, such as a sqlite3 shell, or a job stuck "
+                f"mid-write); end that process and relaunch, {fix}") from None
+        raise TrackingUnavailable(f"tracking.uri: the MLflow store {shown} cannot be read ({exc}); {fix}") from None
+    except sqlite3.DatabaseError as exc:
+        raise TrackingUnavailable(
+            f"tracking.uri: the MLflow store {shown} is damaged ({exc}): it is not a readable SQLite database. Move it "
+            f"aside (its runs are lost unless a backup or `sqlite3 {path} .recover` restores them) so a new one is "
+            f"created, {fix}") from None
+    finally:
+        con.close()
+
+
+class StoreCheck:
+    """What only MLflow can tell of a store, checked in a background thread while the launch goes on
+    (importing MLflow and creating a new SQLite store's tables take seconds): that it opens, that
+    ``experiment`` was not deleted, and (``registry``) that its Model Registry answers. :meth:`result`
+    waits for it and raises TrackingUnavailable for what it found."""
+
+    def __init__(self, uri: str, experiment: str, *, registry: bool = False) -> None:
+        self.uri, self.experiment, self.registry = uri, experiment, registry
+        self._problem: str | None = None
+        self._thread = threading.Thread(target=self._check, name="zerolab-mlflow-check", daemon=True)
+        self._thread.start()
+
+    def _check(self) -> None:
+        shown = mask_text(self.uri)
+        fix = "fix tracking.uri (or MLFLOW_TRACKING_URI), or unset both to use the local store beside the runs"
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise TrackingUnavailable(f"tracking.uri: cannot create the folder of the MLflow store {shown} ({exc.strerror}); "
-                                      f"{fix}") from None
-        if not os.access(folder, os.W_OK):
-            raise TrackingUnavailable(f"tracking.uri: the folder of the MLflow store {shown} is not writable; {fix}")
+            client = mlflow_client(self.uri)
+            found = client.get_experiment_by_name(self.experiment)
+        except Exception as exc:  # MlflowException, SQLAlchemy's and the network's errors alike: reported, not raised here
+            self._problem = f"tracking.uri: the MLflow store {shown} cannot be used ({_first_line(exc)}); {fix}"
+            return
+        if found is not None and found.lifecycle_stage == "deleted":
+            self._problem = (
+                f"tracking.experiment: the experiment '{self.experiment}' (id {found.experiment_id}) was deleted from the "
+                f"MLflow store {shown}; restore it (in the MLflow UI, or `mlflow experiments restore --experiment-id "
+                f"{found.experiment_id}` with MLFLOW_TRACKING_URI set to the store), choose another tracking.experiment, or "
+                f"remove it for good with `mlflow gc`")
+            return
+        if self.registry:
+            try:
+                client.search_registered_models(max_results=1)
+            except Exception as exc:  # as above
+                self._problem = (f"tracking.register: the Model Registry of the MLflow store {shown} does not answer "
+                                 f"({_first_line(exc)}); fix the store, or set tracking.register=false to train without "
+                                 f"registering the adapter")
+
+    def result(self, timeout_s: float = 120.0) -> None:
+        self._thread.join(timeout=timeout_s)
+        if self._thread.is_alive():
+            raise TrackingUnavailable(f"tracking.uri: the MLflow store {mask_text(self.uri)} did not answer within {timeout_s:g} s; "
+                                      f"check it, or unset tracking.uri to use the local store beside the runs")
+        if self._problem:
+            raise TrackingUnavailable(self._problem)
+
+
+def model_name_problem(name: str, key: str) -> str | None:
+    """Why MLflow's Model Registry would refuse ``name`` (after training, when it registers), as a
+    config problem of ``key``; None when it takes it."""
+    if name.strip() and "/" not in name and ":" not in name and posixpath.normpath(name) == name and not name.startswith("."):
+        return None
+    return (f"{key}: {name!r} cannot name a registered model (MLflow refuses names with '/' or ':', empty ones, and ones a "
+            f"path would change, such as '..'); choose another, e.g. {re.sub(r'[^A-Za-z0-9._-]+', '-', name).strip('.-') or 'my-adapter'}")
 
 
 def _without_userinfo(uri: str) -> str:
@@ -132,27 +247,13 @@ def git_commit(folder: str | Path | None = None) -> str | None:
 def mlflow_client(uri: str) -> Any:
     from mlflow import MlflowClient
 
+    # MLflow prints "View run ... at: <tracking URI>" when a run on a server ends, credentials and
+    # all; close_run logs the link itself, masked.
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     return MlflowClient(tracking_uri=uri)
 
 
-def warm_up(uri: str) -> threading.Thread:
-    """Import MLflow and open the store (a new SQLite store creates its tables, ~1.5 s) in a
-    background thread, while the launch waits on Ray's processes; join it before the first call.
-    Best effort: a store that fails here fails again, with its error, at the real call."""
-
-    def open_store() -> None:
-        from mlflow.exceptions import MlflowException
-
-        try:
-            mlflow_client(uri).search_experiments(max_results=1)
-        except (MlflowException, OSError) as exc:
-            logger.debug("MLflow store %s not opened ahead: %s", mask_text(uri), exc)
-
-    thread = threading.Thread(target=open_store, name="zerolab-mlflow-warm-up", daemon=True)
-    thread.start()
-    return thread
-
-
+@shielded()
 def open_run(uri: str, experiment: str, run_name: str, tags: dict[str, str] | None = None, *, new: bool = False,
              run_id: str | None = None) -> tuple[str, bool]:
     """Continue ``run_id`` (the run a run folder recorded) if this store has it, else the newest run
@@ -273,6 +374,7 @@ def model_version(uri: str, name: str, *, version: str | None = None, alias: str
         raise NotInStore(_first_line(exc)) from None
 
 
+@shielded()
 def log_table(uri: str, run_id: str, data: dict[str, list[Any]], artifact_file: str) -> None:
     mlflow_client(uri).log_table(run_id, data=data, artifact_file=artifact_file)
 
@@ -281,10 +383,16 @@ def _first_line(exc: BaseException) -> str:
     return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
 
 
+@shielded()
 def close_run(uri: str, run_id: str, status: str) -> None:
-    mlflow_client(uri).set_terminated(run_id, status=status)
+    client = mlflow_client(uri)
+    client.set_terminated(run_id, status=status)
+    if urllib.parse.urlparse(uri).scheme in ("http", "https"):
+        experiment = client.get_run(run_id).info.experiment_id
+        logger.info("MLflow run %s: %s/#/experiments/%s/runs/%s", run_id, mask_text(uri).rstrip("/"), experiment, run_id)
 
 
+@shielded()
 def log_params(uri: str, run_id: str, params: dict[str, Any]) -> None:
     """Log params, skipping keys already logged with the same value (MLflow params are immutable)."""
     from mlflow.entities import Param
@@ -305,6 +413,7 @@ def log_params(uri: str, run_id: str, params: dict[str, Any]) -> None:
         client.log_batch(run_id, params=fresh[i : i + 100])
 
 
+@shielded()
 def log_artifact(uri: str, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
     client = mlflow_client(uri)
     if Path(path).is_dir():
@@ -327,6 +436,7 @@ class MetricsLogger:
             self._last_step[key] = max((m.step for m in history), default=-1)
         return self._last_step[key]
 
+    @shielded()
     def log(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
@@ -338,6 +448,7 @@ class MetricsLogger:
                 self._last_step[m.key] = step
 
 
+@shielded()
 def register_model(uri: str, run_id: str, artifact_path: str, name: str, alias: str | None, step: int,
                    tags: dict[str, str] | None = None) -> str:
     """Register the run's ``artifact_path`` (a PEFT adapter or HF model folder) as a new version of
@@ -351,19 +462,26 @@ def register_model(uri: str, run_id: str, artifact_path: str, name: str, alias: 
 
     client = mlflow_client(uri)
     try:
-        client.create_registered_model(name, description="Adapters and models trained by zerolab jobs.")
+        try:
+            client.create_registered_model(name, description="Adapters and models trained by zerolab jobs.")
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        existing = [v for v in client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
+                    if v.tags.get(STEP_TAG) == str(step)]
+        if existing:
+            version = existing[0]
+        else:
+            source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{artifact_path}"
+            version = client.create_model_version(name, source, run_id=run_id, tags={**(tags or {}), STEP_TAG: str(step)})
+        if alias:
+            client.set_registered_model_alias(name, alias, version.version)
     except MlflowException as exc:
-        if exc.error_code != "RESOURCE_ALREADY_EXISTS":
-            raise
-    existing = [v for v in client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
-                if v.tags.get(STEP_TAG) == str(step)]
-    if existing:
-        version = existing[0]
-    else:
-        source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{artifact_path}"
-        version = client.create_model_version(name, source, run_id=run_id, tags={**(tags or {}), STEP_TAG: str(step)})
-    if alias:
-        client.set_registered_model_alias(name, alias, version.version)
+        raise RegistrationFailed(
+            f"tracking.register: registering the adapter of MLflow run {run_id} as '{name}' in {mask_text(uri)} failed "
+            f"({_first_line(exc)}). The training and its checkpoint are kept: fix the registry (or set tracking.register="
+            f"false, or another tracking.registered_model) and relaunch the same run; it registers without training again."
+        ) from None
     return str(version.version)
 
 

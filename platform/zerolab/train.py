@@ -382,7 +382,7 @@ def _open_tracker(tracking: dict, start_step: int, params: dict[str, Any]) -> An
 
 
 def _stop_requested(flag: Any) -> bool:
-    """The driver's stop flag (``zerolab.run.StopSignal``): an Event in the job's own process, else an actor."""
+    """The driver's stop flag (``zerolab.stop.StopSignal``): an Event in the job's own process, else an actor."""
     if flag is None:
         return False
     if isinstance(flag, threading.Event):
