@@ -216,3 +216,21 @@ def test_credentials_in_the_storage_uri_are_never_shown_or_stored(s3_endpoint, t
     path, filesystem = trainer_storage(cfg)  # what Ray Train records and shows as the storage path
     assert path == "creds/runs" and filesystem is not None
     assert filesystem.get_file_info(f"{path}/uri-creds/{JOB_CONFIG_FILE}").size > 0
+
+
+def test_a_missing_bucket_is_named_before_anything_starts(s3_endpoint, s3_env):
+    """``run.storage_path`` in a bucket that does not exist: exit 2's message names the setting, the
+    bucket and the fix, without the keys, and leaves nothing behind."""
+    from zerolab.checkpoints import StorageUnavailable, check_storage
+
+    host = s3_endpoint.removeprefix("http://")
+    with pytest.raises(StorageUnavailable) as refused:
+        check_storage(f"s3://{ACCESS_KEY}:{URI_SECRET}@nobucket/runs?endpoint_override={host}&scheme=http")
+    message = str(refused.value)
+    assert message.startswith("run.storage_path: cannot write run folders to s3://***@nobucket/runs")
+    assert "create the bucket, or fix its name in run.storage_path" in message
+    assert_no_credentials(message, "the storage error")
+    s3_client(s3_endpoint).create_bucket(Bucket="somebucket")
+    check_storage(f"s3://somebucket/runs?endpoint_override={host}&scheme=http")
+    left = [obj["Key"] for obj in s3_client(s3_endpoint).list_objects_v2(Bucket="somebucket").get("Contents", [])]
+    assert left == ["runs/"]  # the folder, without the write check's file
