@@ -8,13 +8,14 @@ parent run); a ranked results table, CSV/Markdown and a chart at the end.
 
 The sweep file's format is in zerolab/tune.py and the README. Exit codes: 0 the sweep ran (failed
 trials are reported in the table), 2 a bad sweep file or job config (nothing ran), 130 interrupted
-(resume with --resume NAME).
+by SIGINT or SIGTERM (the job prints the command that resumes it).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
 from pathlib import Path
 
@@ -35,8 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     from zerolab import tune
     from zerolab.cli import INTERRUPTED, USER_ERROR, user_errors
     from zerolab.config import apply_overrides, load_config, load_yaml
+    from zerolab.tracking import mask_text
 
-    sweep = None
+    command = sys.argv if argv is None else ["jobs/tune.py", *argv]
+    base, sweep = None, None
     try:
         base = apply_overrides(load_yaml(args.config) if args.config else {}, args.set)
         cfg = load_config(args.config, args.set)
@@ -51,19 +54,36 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nerror: {exc}", file=sys.stderr)
         return USER_ERROR
     except KeyboardInterrupt:
-        resume = f"python jobs/tune.py --resume {sweep.name}" if sweep else "the same command"
-        print(f"\ninterrupted; resume with: {resume}", file=sys.stderr)
+        resume = _resume_command(command, args, sweep.name) if sweep and tune.resumable(base, sweep) else shlex.join(_python(command))
+        print(mask_text(f"\ninterrupted\nresume: {resume}"), file=sys.stderr)
         return INTERRUPTED
     from zerolab.compare import text_table
 
     print("\n" + text_table(*tune.results_table(rows, sweep)))
     print(f"\nwritten to {tune.results_dir(sweep, args.out)}/: results.csv, results.md and the chart runs.png")
+    print(f"per-trial curves and HParams: tensorboard --logdir {mask_text(tune.sweep_path(tune.base_config(base, sweep), sweep))}")
     failed = [r for r in rows if r.status == "ERROR"]
-    print(f"\n{len(rows)} trials: " + ", ".join(f"{n} {s.lower()}" for s in ("FINISHED", "STOPPED", "SKIPPED", "ERROR")
+    print(f"\n{len(rows)} trials: " + ", ".join(f"{n} {s.lower()}" for s in ("FINISHED", "STOPPED", tune.INTERRUPTED, "SKIPPED", "ERROR")
                                               if (n := sum(r.status == s for r in rows))))
     if failed:
         print("failed trials: " + "; ".join(f"{r.trial_id}: {r.note}" for r in failed))
+    if any(r.status == tune.INTERRUPTED for r in rows):
+        print(mask_text(f"\ninterrupted: the sweep stopped before its trials finished\nresume: {_resume_command(command, args, sweep.name)}"),
+              file=sys.stderr)
+        return INTERRUPTED
     return 0
+
+
+def _python(command: list[str]) -> list[str]:
+    return [sys.executable.rsplit("/", 1)[-1], *command]
+
+
+def _resume_command(command: list[str], args: argparse.Namespace, name: str) -> str:
+    """The job's command that continues the sweep ``name``: the same base job (its storage path
+    holds the sweep), the sweep itself from its folder."""
+    argv = [command[0], *(["--config", args.config] if args.config else []), *(a for s in args.set for a in ("--set", s)),
+            *(["--out", args.out] if args.out else []), "--resume", name]
+    return shlex.join(_python(argv))
 
 
 if __name__ == "__main__":

@@ -7,10 +7,14 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
+import shlex
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -256,3 +260,109 @@ def test_the_space_is_checked_on_draws_from_tunes_own_domains():
     assert all(1e-5 <= p["train.lr"] <= 1e-3 for p in points)
     assert {p["deepspeed.zero"] for p in points} == {"0", "2", "3", "3+all"}
     assert all(type(p["train.micro_batch_size"]) is int and type(p["train.lr"]) is float for p in points)
+
+
+@pytest.fixture(scope="module")
+def interrupted_sweep(tmp_path_factory, tiny_model_path):
+    """``python jobs/tune.py`` on a 2-trial ZeRO stage × adapter.r grid, sent SIGINT once both trials
+    have reported, then the resume command it printed, run to the end; the TensorBoard test reads
+    the sweep's folder."""
+    tmp = tmp_path_factory.mktemp("interrupted")
+    config = write(tmp, "base.yaml", base_job(tmp, **{"train.max_steps": 30, "train.log_every_n_steps": 5,
+                                                     "train.checkpoint_every_n_steps": 5}))
+    space = write(tmp, "space.yaml", {"name": "ctrl-c", "space": {"deepspeed.zero": {"grid": ["0", "2"]}, "adapter.r": {"grid": [4]}}})
+    cmd = [sys.executable, str(REPO / "jobs" / "tune.py"), "--config", str(config), "--space", str(space), "--out", str(tmp / "out")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp)
+    lines, reporting = [], set()
+    for line in proc.stdout:
+        lines.append(line)
+        if found := re.search(r"\[(\w+)\] step \d+", line):
+            reporting.add(found[1])
+        if len(reporting) == 2:
+            proc.send_signal(signal.SIGINT)
+            break
+    rest, _ = proc.communicate(timeout=180)
+    uri = yaml.safe_load(config.read_text())["tracking"]["uri"]
+    _, children = child_runs(uri, "ctrl-c")
+    interrupted = SimpleNamespace(returncode=proc.returncode, output="".join(lines) + rest, children=children)
+    hint = re.search(r"^resume: (.+)$", interrupted.output, re.MULTILINE)
+    resumed = None
+    if hint:
+        argv = shlex.split(hint[1])
+        resumed = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, timeout=300, cwd=tmp)
+    return SimpleNamespace(interrupted=interrupted, resume=hint and hint[1], resumed=resumed, uri=uri,
+                           folder=Path(yaml.safe_load(config.read_text())["run"]["storage_path"]) / "ctrl-c")
+
+
+@pytest.mark.ray
+def test_ctrl_c_stops_the_sweep_with_130_and_the_printed_command_finishes_it(interrupted_sweep):
+    first = interrupted_sweep.interrupted
+    assert first.returncode == 130, first.output[-3000:]
+    assert interrupted_sweep.resume and interrupted_sweep.resume.endswith("--resume ctrl-c"), first.output[-3000:]
+    assert "jobs/tune.py --config " in interrupted_sweep.resume and "--space" not in interrupted_sweep.resume
+    assert "2 trials: 2 interrupted" in first.output, first.output[-3000:]
+    assert "INTERRUPTED: at step " in first.output and "stopped early" not in first.output
+    assert "Traceback" not in first.output
+    # Where to look while it runs: the sweep's lasting folder for TensorBoard, the dashboard of the Ray it started.
+    assert f"tensorboard --logdir {interrupted_sweep.folder}" in first.output
+    assert re.search(r"Ray dashboard \(of the Ray instance this job started; it stops with the job\): http://127\.0\.0\.1:\d+", first.output)
+    assert len(first.children) == 2 and {c.info.status for c in first.children} == {"KILLED"}  # as a stopped job's run
+
+    resumed = interrupted_sweep.resumed
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "2 trials: 2 finished" in resumed.stdout, resumed.stdout[-3000:]
+    assert f"tensorboard --logdir {interrupted_sweep.folder}" in resumed.stdout
+    parent, children = child_runs(interrupted_sweep.uri, "ctrl-c")
+    assert parent.info.status == "FINISHED"
+    assert len(children) == 2 and all(c.info.status == "FINISHED" for c in children)  # the same runs, not new ones
+    assert {c.info.run_id for c in children} == {c.info.run_id for c in first.children}
+
+
+@pytest.mark.ray
+def test_the_sweep_folder_holds_each_trials_scalars_and_hparams_for_tensorboard(interrupted_sweep):
+    """The folder the sweep names (``tensorboard --logdir``, in ``run.storage_path``, not Ray's
+    temporary session folder) read by TensorBoard's own loader: one run per trial, its curves
+    (across the interruption) and the HParams plugin's swept keys and values."""
+    from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
+    from tensorboard.plugins.hparams import metadata
+    from tensorboard.util import tensor_util
+
+    _, children = child_runs(interrupted_sweep.uri, "ctrl-c")
+    trials = {c.info.run_name.removeprefix("ctrl-c-"): c for c in children}
+    mux = EventMultiplexer()
+    mux.AddRunsFromDirectory(str(interrupted_sweep.folder))
+    mux.Reload()
+    assert set(mux.Runs()) == set(trials) and len(trials) == 2
+
+    hparams = mux.PluginRunToTagToContent(metadata.PLUGIN_NAME)
+    for trial_id, child in trials.items():
+        experiment = metadata.parse_experiment_plugin_data(hparams[trial_id][metadata.EXPERIMENT_TAG])
+        assert {h.name for h in experiment.hparam_infos} == {"deepspeed.zero", "adapter.r"}
+        assert {m.name.tag for m in experiment.metric_infos} >= {"ray/tune/train/loss", "ray/tune/perf/tokens_per_s"}
+        session = metadata.parse_session_start_info_plugin_data(hparams[trial_id][metadata.SESSION_START_INFO_TAG])
+        assert session.hparams["deepspeed.zero"].string_value == child.data.params["deepspeed.stage"]
+        assert session.hparams["adapter.r"].number_value == 4
+        loss = mux.Tensors(trial_id, "ray/tune/train/loss")
+        steps = [tensor_util.make_ndarray(e.tensor_proto).item() for e in mux.Tensors(trial_id, "ray/tune/step")]
+        assert steps[-1] == 30 and len(loss) == len(steps)
+        assert tensor_util.make_ndarray(loss[-1].tensor_proto).item() == pytest.approx(child.data.metrics["train/loss"])
+
+
+def test_the_first_sigint_or_sigterm_asks_tune_to_stop_and_a_second_aborts():
+    """``SweepStop`` around ``Tuner.fit()``: a signal before Tune's loop is ready aborts; once fit()
+    has set its stop handler (on SIGUSR1), the first SIGINT or SIGTERM asks it to stop and is
+    recorded, the next raises KeyboardInterrupt; everything is as before afterwards."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    stop = tune.SweepStop()
+    asked = []
+    with stop.handling():
+        assert os.environ["TUNE_DISABLE_SIGINT_HANDLER"] == "1"  # Tune's own SIGINT handler stays out
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGTERM)
+        signal.signal(signal.SIGUSR1, lambda signum, frame: asked.append(signum))  # as fit() does
+        signal.raise_signal(signal.SIGTERM)
+        assert stop.signal_name == "SIGTERM" and asked == [signal.SIGTERM]
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    assert {s: signal.getsignal(s) for s in before} == before and "TUNE_DISABLE_SIGINT_HANDLER" not in os.environ
+    assert tune.SweepStop().unfinished("/no/such/sweep") == set()  # no signal: nothing cut short

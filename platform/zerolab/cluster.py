@@ -136,7 +136,8 @@ def _connect(cfg: SFTConfig, address: str, log_to_driver: bool) -> None:
     job_env = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("runtime_env", {}).get("env_vars", {})
     runtime_env["env_vars"] = {k: v for k, v in env_vars.items() if k not in job_env}
     try:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=log_to_driver, logging_level=logging.WARNING, **options)
+        context = ray.init(address=address, runtime_env=runtime_env, log_to_driver=log_to_driver, logging_level=logging.WARNING,
+                           **options)
     except ConnectionError as exc:
         raise EnvironmentProblem(
             f"could not reach the Ray cluster at RAY_ADDRESS={address!r} ({exc}). Start one with "
@@ -144,6 +145,11 @@ def _connect(cfg: SFTConfig, address: str, log_to_driver: bool) -> None:
         ) from None
     if address == "local":
         _started_here.add(ray.get_runtime_context().gcs_address)
+        if context.dashboard_url:
+            logger.info("Ray dashboard (of the Ray instance this job started; it stops with the job): http://%s", context.dashboard_url)
+        else:
+            logger.info("Ray's dashboard is not running (it needs ray[default]; Ray's logs: %s/logs)",
+                        context.address_info.get("session_dir"))
     quiet_ray_data_logging()
 
 

@@ -19,15 +19,21 @@ A sweep file (YAML) says what to vary and how to search::
 
 Every sampled config is validated, and (for grids) checked by the memory estimator, before
 ``Tuner.fit()``; a trial the estimator says cannot fit is skipped with the reason, not launched.
+The first SIGINT or SIGTERM ends a sweep resumably: its unfinished trials are reported INTERRUPTED.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import itertools
 import logging
 import math
+import os
 import re
+import signal
+import threading
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -45,6 +51,8 @@ logger = logging.getLogger("zerolab.tune")
 KINDS = ("grid", "choice", "uniform", "loguniform", "randint")
 VIRTUAL_KEYS = {"deepspeed.zero": "ZeRO stage and offload together: " + ", ".join(ZERO_KEYS)}
 SKIPPED = "skipped"
+INTERRUPTED = "INTERRUPTED"
+"""A trial's status when the sweep was stopped (SIGINT/SIGTERM) before it finished: ``--resume`` continues it."""
 
 
 class SweepError(ValueError):
@@ -379,6 +387,7 @@ def run_sweep(base: dict[str, Any], sweep: Sweep, *, resume: bool = False, out_d
     points = validate_space(base_cfg, sweep)
     connect_ray(base_cfg, log_to_driver=False)
     uri = tracking.tracking_uri(base_cfg.tracking.uri, base_cfg.run.storage_path)
+    stop = SweepStop()
     try:
         data = SweepData.prepare(base_cfg)
         with tracking.tracked_run(uri, base_cfg.tracking.experiment, sweep.name, tags={"zerolab.sweep": sweep.name}) as parent:
@@ -400,6 +409,8 @@ def run_sweep(base: dict[str, Any], sweep: Sweep, *, resume: bool = False, out_d
                                **{f"sweep.space.{d.key}": f"{d.kind} {list(d.values)}" for d in sweep.space}})
             _log_yaml(uri, parent_id, "search_space.yaml", _sweep_dict(sweep))
             experiment_path = sweep_path(base_cfg, sweep)
+            logger.info("sweep %s: per-trial scalars and HParams, kept in the sweep folder: tensorboard --logdir %s",
+                        sweep.name, tracking.mask_text(experiment_path))
             if resume:
                 if not Tuner.can_restore(experiment_path):
                     raise SweepError([f"--resume {sweep.name}: no sweep to resume at {experiment_path}; start it without --resume"])
@@ -417,10 +428,19 @@ def run_sweep(base: dict[str, Any], sweep: Sweep, *, resume: bool = False, out_d
                     ),
                     run_config=TuneRunConfig(name=sweep.name, storage_path=experiment_path.rsplit("/", 1)[0], verbose=0, callbacks=[OneLinePerTrial(sweep)]),
                 )
-            grid = tuner.fit()
-            rows = _rows(grid, sweep)
+            with stop.handling():
+                grid = tuner.fit()
+            rows = _rows(grid, sweep, stop.unfinished(experiment_path))
+            cut = sum(r.status == INTERRUPTED for r in rows)
+            if stop.signal_name and not cut and len(rows) < sweep.num_samples * len(sweep.grid_points()):
+                raise KeyboardInterrupt  # stopped between trials: none to mark, the rest not started yet
             _finish_children(uri, base_cfg.tracking.experiment, rows)
             write_results(rows, sweep, uri, base_cfg.tracking.experiment, parent_id, results_dir(sweep, out_dir))
+            if cut:
+                logger.warning("sweep %s stopped by %s: %d unfinished trial(s) interrupted; --resume %s continues them",
+                               sweep.name, stop.signal_name, cut, sweep.name)
+                parent.status = "KILLED"
+                return rows
             best = next((r for r in rows if r.status == "FINISHED" and r.objective is not None), None)
             if best is not None:
                 _log_yaml(uri, parent_id, "best_config.yaml", trial_config(base_cfg, sweep, best.params, best.run_name).to_dict())
@@ -430,6 +450,65 @@ def run_sweep(base: dict[str, Any], sweep: Sweep, *, resume: bool = False, out_d
             return rows
     finally:
         shutdown_ray()
+
+
+class SweepStop:
+    """Ctrl-C for a sweep. While :meth:`handling` is active, the first SIGINT or SIGTERM asks Tune to
+    end the sweep as its own Ctrl-C does: it saves the sweep's state, stops the running trials and
+    ``fit()`` returns; ``--resume`` continues the unfinished trials from their last checkpoints. A
+    second signal, or one before Tune's loop is ready to stop, raises KeyboardInterrupt at once.
+
+    Tune's own SIGINT handler is off meanwhile: it takes the signal without a trace the sweep could
+    read afterwards (it then ends the cut trials TERMINATED, like finished ones), and leaves SIGTERM
+    to kill the driver without saving anything."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._tune_stop: Any = None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        tune_stop = signal.getsignal(signal.SIGUSR1)
+        if self.signal_name is not None or not callable(tune_stop) or tune_stop is self._tune_stop:
+            raise KeyboardInterrupt
+        self.signal_name = signal.Signals(signum).name
+        logger.warning("%s received: the sweep stops once Tune has saved its state (the running trials are cut short, "
+                       "--resume continues them); send it again to abort at once", self.signal_name)
+        tune_stop(signum, frame)  # Tune's stop (its handler of SIGUSR1, installed by fit())
+
+    @contextlib.contextmanager
+    def handling(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signal handlers can only be set from the main thread: Tune's own then
+            return
+        self._tune_stop = signal.getsignal(signal.SIGUSR1)  # not yet fit()'s: a previous one's, or none
+        previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        disabled = os.environ.get("TUNE_DISABLE_SIGINT_HANDLER")
+        os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"
+        try:
+            yield
+        finally:
+            if disabled is None:
+                os.environ.pop("TUNE_DISABLE_SIGINT_HANDLER", None)
+            else:
+                os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = disabled
+            for s, handler in {**previous, signal.SIGUSR1: self._tune_stop}.items():
+                signal.signal(s, handler)
+
+    def unfinished(self, experiment_path: str) -> set[str]:
+        """The trials the stop cut short: those the state Tune saved (what ``--resume`` reads) has
+        pending or running; none when no signal came."""
+        if self.signal_name is None:
+            return set()
+        from ray.tune import ExperimentAnalysis
+
+        return {t.trial_id for t in ExperimentAnalysis(experiment_path).trials if t.status not in ("TERMINATED", "ERROR")}
+
+
+def resumable(base: dict[str, Any], sweep: Sweep) -> bool:
+    """Whether ``--resume`` can continue the sweep: Tune saved its state in the sweep folder."""
+    from ray.tune import Tuner
+
+    return Tuner.can_restore(sweep_path(base_config(base, sweep), sweep))
 
 
 def _announce_skips(base: SFTConfig, sweep: Sweep, points: list[dict[str, Any]], data: SweepData) -> None:
@@ -502,7 +581,8 @@ def _label(config: dict[str, Any]) -> str:
     return " ".join(f"{k.split('.')[-1]}={v:.3g}" if isinstance(v, float) else f"{k.split('.')[-1]}={v}" for k, v in config.items())
 
 
-def _rows(grid: Any, sweep: Sweep) -> list[TrialRow]:
+def _rows(grid: Any, sweep: Sweep, interrupted: Collection[str] = ()) -> list[TrialRow]:
+    """One row per trial; those in ``interrupted`` (cut short by a stopped sweep) are INTERRUPTED."""
     from zerolab.cli import root_cause
 
     rows = []
@@ -514,37 +594,40 @@ def _rows(grid: Any, sweep: Sweep) -> list[TrialRow]:
             status, note = "SKIPPED", str(metrics.get("reason", ""))
         elif result.error is not None:
             status, note = "ERROR", root_cause(result.error)
+        elif trial_id in interrupted:
+            status, note = INTERRUPTED, f"at step {metrics['step']}" if "step" in metrics else "before its first report"
         elif metrics.get("perf/wall_s") is None:
             status, note = "STOPPED", f"stopped early at step {metrics.get('step', '?')} ({sweep.scheduler})"
         else:
             status, note = "FINISHED", ""
-        objective = metrics.get(sweep.metric) if status in ("FINISHED", "STOPPED") else None
+        objective = metrics.get(sweep.metric) if status in ("FINISHED", "STOPPED", INTERRUPTED) else None
         rows.append(TrialRow(trial_id, f"{sweep.name}-{trial_id}", params, status, objective, metrics, note))
     return _ranked(rows, sweep)
 
 
 def _ranked(rows: list[TrialRow], sweep: Sweep) -> list[TrialRow]:
-    """Finished trials first, best objective first; then stopped, failed and skipped ones."""
+    """Finished trials first, best objective first; then stopped, interrupted, failed and skipped ones."""
     sign = -1 if sweep.mode == "max" else 1
-    order = {"FINISHED": 0, "STOPPED": 1, "ERROR": 2, "SKIPPED": 3}
+    order = {"FINISHED": 0, "STOPPED": 1, INTERRUPTED: 2, "ERROR": 3, "SKIPPED": 4}
     return sorted(rows, key=lambda r: (order[r.status], sign * r.objective if r.objective is not None else math.inf, r.trial_id))
 
 
 def _finish_children(uri: str, experiment: str, rows: list[TrialRow]) -> None:
     """Give each trial's MLflow run the status Tune saw (and a row whose run finished, that status).
     Tune ends a trial by stopping its actor, at
-    ASHA's decision or right after the last report when the trial reached ``max_t``, so the run may
-    still say RUNNING or FAILED; a trial that finished training gets its adapter logged from the
-    checkpoint it reported if the actor stopped before doing so."""
+    ASHA's decision, right after the last report when the trial reached ``max_t``, or when the sweep
+    is stopped, so the run may still say RUNNING or FAILED (an interrupted trial's run ends KILLED,
+    as a stopped job's does, and ``--resume`` reopens it); a trial that finished training gets its
+    adapter logged from the checkpoint it reported if the actor stopped before doing so."""
     from ray.train import Checkpoint
 
     client = tracking.mlflow_client(uri)
     exp = client.get_experiment_by_name(experiment)
-    wanted = {"FINISHED": "FINISHED", "STOPPED": "KILLED", "ERROR": "FAILED"}
+    wanted = {"FINISHED": "FINISHED", "STOPPED": "KILLED", INTERRUPTED: "KILLED", "ERROR": "FAILED"}
     for row in rows:
         runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`{tracking.RUN_NAME_TAG}` = '{row.run_name}'",
                                   max_results=1)
-        if runs and row.status == "STOPPED" and runs[0].info.status == "FINISHED":
+        if runs and row.status in ("STOPPED", INTERRUPTED) and runs[0].info.status == "FINISHED":
             # Finished, but the sweep was killed before Tune saved the trial's last result.
             row.status, row.note = "FINISHED", ""
         if not runs or row.status not in wanted or runs[0].info.status == wanted[row.status]:
@@ -554,7 +637,8 @@ def _finish_children(uri: str, experiment: str, rows: list[TrialRow]) -> None:
         if row.status == "FINISHED" and checkpoint and not any(a.path == "adapter" for a in client.list_artifacts(run_id)):
             with Checkpoint(checkpoint).as_directory() as folder:
                 tracking.log_artifact(uri, run_id, Path(folder) / "adapter", "adapter")
-        client.set_tag(run_id, "zerolab.trial_status", row.note or row.status)
+        if row.status != INTERRUPTED:  # its run goes on under --resume
+            client.set_tag(run_id, "zerolab.trial_status", row.note or row.status)
         client.set_terminated(run_id, wanted[row.status])
 
 
