@@ -10,7 +10,9 @@ held-out prompts, the task's scores, generation speed and peak memory.
 adapter a training run logged) or models:/<name>/<version> | models:/<name>@<alias> (a registered
 version). The base model, task, system prompt and eval split come from the training run when not
 given. Results go to a new MLflow run (eval/*, eval/base/*, eval/tuned/*, eval/delta/* and the
-per-example table) and to --output-dir. Exit codes: 0 done, 2 bad input (nothing was evaluated).
+per-example table) and to --output-dir. A LoRA, rsLoRA, DoRA or AdaLoRA adapter generates merged
+into the base weights in fp32 (as fast as the base model, the same answers); in bf16/fp16 on top of
+them unless --merge. Exit codes: 0 done, 2 bad input, a damaged adapter included (nothing was evaluated).
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=16, help="prompts generated together (default 16)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="longest answer (default 64)")
     parser.add_argument("--compare-base", action="store_true", help="also evaluate the base model on the same prompts")
-    parser.add_argument("--merge", action="store_true", help="merge the adapter into the base weights before evaluating")
+    parser.add_argument("--merge", action=argparse.BooleanOptionalAction,
+                        help="generate with the adapter merged into the base weights (--merge) or on top of them (--no-merge); "
+                             "default: merged where that gives the same answers (a LoRA-family adapter in fp32)")
     parser.add_argument("--workers", type=int, default=0, help="Ray Data actors that generate (one GPU each on cuda); 0: this process")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto", help="auto: bf16 on GPU, fp32 on CPU")

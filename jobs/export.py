@@ -7,7 +7,7 @@
 
 The base model comes from the training run (or the adapter's config) unless --model gives it. The
 written folder is loaded back and its logits are checked against the unmerged adapter's.
-Exit codes: 0 written and checked, 2 bad input or a failed check.
+Exit codes: 0 written and checked, 2 bad input (a damaged adapter file included) or a failed check.
 """
 
 from __future__ import annotations

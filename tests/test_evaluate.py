@@ -1,7 +1,8 @@
 """Evaluation: scorers on hand-written answers, deterministic batched greedy generation, adapters
-from a folder, an MLflow run and the Model Registry, merged vs unmerged, the evaluate/export jobs,
-bad input, Ray Data actors vs one process, and the eval section of a training job. Tiny model,
-real peft, real MLflow store in a temp dir, real Ray."""
+from a folder, an MLflow run and the Model Registry, merged vs unmerged (merged by default in fp32),
+the evaluate/export jobs, bad input and damaged adapter files, the printed comparison's units, Ray
+Data actors vs one process, and the eval section of a training job, with Ray and without. Tiny
+model, real peft, real MLflow store in a temp dir, real Ray."""
 
 from __future__ import annotations
 
@@ -356,3 +357,200 @@ def test_training_job_with_an_eval_section_evaluates_into_its_run(ray_cluster, t
     report = run_evaluation(target, EvalOptions(task="math_sum", data_path=default_eval_path("math_sum", 32, 1), num_examples=6,
                                                 max_new_tokens=8, batch_size=32))
     assert report.results["tuned"].answers.texts == [row[column] for row in table["data"]]
+
+
+# --- damaged files -------------------------------------------------------------------------------
+
+
+def test_safetensors_check_agrees_with_the_loader_at_every_cut(adapter_dir, tmp_path):
+    """The header check (shared with the relaunch's checkpoint check) finds a file damaged exactly
+    where safetensors cannot load it: cut inside the length, inside the header, inside the
+    tensors, or with bytes appended."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from zerolab.integrity import safetensors_problem
+
+    whole = (adapter_dir / "adapter_model.safetensors").read_bytes()
+    header_end = 8 + int.from_bytes(whole[:8], "little")
+    for size in (0, 5, 8, header_end // 2, header_end, header_end + 100, len(whole) - 1, len(whole), len(whole) + 3):
+        data = whole[:size] + b"\0" * max(size - len(whole), 0)
+        path = tmp_path / f"cut{size}.safetensors"
+        path.write_bytes(data)
+        with path.open("rb") as f:
+            problem = safetensors_problem(f, len(data))
+        try:
+            load_file(str(path))
+            loads = True
+        except SafetensorError:
+            loads = False
+        assert (problem is None) == loads, (size, problem)
+        if size == len(whole) - 1:
+            assert problem == f"is truncated or damaged: its tensors need {len(whole)} bytes, the file has {size}"
+
+
+def damaged_copy(source: Path, dst: Path, name: str, how: str) -> Path:
+    import shutil
+
+    shutil.copytree(source, dst)
+    path = dst / name
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if how == "cut" else b'{"r": 4,')
+    return dst
+
+
+@pytest.mark.parametrize(
+    "job_name, name, how, problem",
+    [
+        ("evaluate", "adapter_model.safetensors", "cut", "adapter_model.safetensors is truncated or damaged: its tensors need"),
+        ("evaluate", "adapter_config.json", "json", "adapter_config.json is not valid JSON (Expecting property name"),
+        ("export", "adapter_model.safetensors", "cut", "adapter_model.safetensors is truncated or damaged: its tensors need"),
+        ("export", "adapter_config.json", "json", "adapter_config.json is not valid JSON (Expecting property name"),
+    ],
+)
+def test_a_damaged_adapter_is_one_error_naming_the_file_and_exit_2(job_name, name, how, problem, adapter_dir, tmp_path, capsys):
+    import importlib
+
+    sys.path.insert(0, str(REPO / "jobs"))
+    job = importlib.import_module(job_name)
+    folder = damaged_copy(adapter_dir, tmp_path / "adapter", name, how)
+    common = ["--adapter", str(folder), "--model", BUILTIN_TINY_MODEL, "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}"]
+    rest = ["--task", "math_sum", "--num-examples", "2", "--compare-base", "--output-dir", str(tmp_path / "out")] \
+        if job_name == "evaluate" else ["--output", str(tmp_path / "merged")]
+    assert job.main(common + rest) == 2
+    err = capsys.readouterr().err
+    assert f"error: --adapter: the adapter {folder} is damaged: {problem}" in err
+    assert "copy it again from the training run's checkpoint" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "merged").exists()  # found before anything ran
+
+
+def test_a_damaged_model_folder_config_is_one_error(tmp_path, tiny_model_path):
+    folder = damaged_copy(Path(tiny_model_path), tmp_path / "model", "config.json", "json")
+    target = Target(base=None, tuned_path=str(folder), tuned_kind="full", source=str(folder))
+    options = EvalOptions(task="math_sum", data_path=default_eval_path("math_sum", 16, 1), num_examples=2)
+    with pytest.raises(EvaluationError, match=r"the model folder .* is damaged: config.json is not valid JSON") as exc:
+        run_evaluation(target, options)
+    assert exc.value.input == "adapter"
+
+
+# --- merged generation ---------------------------------------------------------------------------
+
+
+def random_adapter(method: str, folder: Path) -> Path:
+    """An adapter of ``method`` made as training makes it (zerolab.adapters), with random weights
+    everywhere (peft starts B, and AdaLoRA's E, at zero), saved as peft saves it."""
+    from zerolab.adapters import apply_adapter as train_adapter
+    from zerolab.config import AdapterSpec
+    from zerolab.models import load_model
+
+    torch.manual_seed(1)
+    model = train_adapter(load_model(ModelSpec(), torch.float32), AdapterSpec(method=method, r=4, alpha=8), total_steps=10)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name and "magnitude" not in name:
+                p.normal_(0, 0.3)
+    model.save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def eval16() -> tuple[str, list[str]]:
+    """The generated eval split's path and the base model's answers to its first 6 prompts."""
+    path = default_eval_path("math_sum", 16, 1)
+    return path, generate_answers(LoadSpec(BUILTIN_TINY_MODEL), load_examples(path, "math_sum", limit=6), **GEN).texts
+
+
+@pytest.mark.parametrize("method", ["lora", "rslora", "dora", "adalora"])
+def test_evaluation_merges_the_adapter_in_fp32_with_the_unmerged_answers(method, eval16, tmp_path, tiny_model_path):
+    folder = random_adapter(method, tmp_path / "adapter")
+    target = Target(base=BUILTIN_TINY_MODEL, tuned_path=str(folder), tuned_kind="adapter", source=str(folder))
+    report = run_evaluation(target, EvalOptions(task="math_sum", data_path=eval16[0], num_examples=6, **GEN))
+    assert report.options["merge"] is True and report.options["dtype"] == "fp32"
+    tuned = report.results["tuned"]
+    assert tuned.description.endswith("merged into the base weights (fp32: the unmerged adapter's answers)")
+    assert "merged into the base weights" in report.format()
+    unmerged = generate_answers(LoadSpec(BUILTIN_TINY_MODEL, adapter_path=str(folder), merge=False), report.examples, **GEN)
+    assert tuned.answers.texts == unmerged.texts != eval16[1]
+
+
+def test_merging_is_left_where_it_could_change_the_answers(adapter_dir, tmp_path):
+    from zerolab.evaluate import merge_choice
+
+    target = Target(base=BUILTIN_TINY_MODEL, tuned_path=str(adapter_dir), tuned_kind="adapter", source=str(adapter_dir))
+    assert merge_choice(target, None, "fp32") == (True, "merged into the base weights (fp32: the unmerged adapter's answers)")
+    assert merge_choice(target, None, "bf16") == (False, "unmerged (in bf16 merging would round the adapted weights once more)")
+    assert merge_choice(target, True, "bf16")[0] and not merge_choice(target, False, "fp32")[0]
+    ia3 = tmp_path / "ia3"
+    ia3.mkdir()
+    (ia3 / "adapter_config.json").write_text(json.dumps({"peft_type": "IA3"}))
+    other = Target(base=BUILTIN_TINY_MODEL, tuned_path=str(ia3), tuned_kind="adapter", source=str(ia3))
+    assert merge_choice(other, None, "fp32") == (False, "unmerged (IA3 adapters do not merge into the weights)")
+    with pytest.raises(EvaluationError, match="is a IA3 adapter, which peft cannot merge") as exc:
+        merge_choice(other, True, "fp32")
+    assert exc.value.input == "merge"
+
+
+# --- the printed comparison ----------------------------------------------------------------------
+
+
+def test_the_comparison_says_what_each_figure_is(examples):
+    from zerolab.generation import Answers
+    from zerolab.scoring import EvalReport, ModelResult
+
+    def result(label: str, format_ok: float, tokens: float, tokens_per_s: float) -> ModelResult:
+        figures = {"wall_s": 2.5, "generate_s": 2.0, "tokens_per_s": tokens_per_s, "generated_tokens": tokens, "host_rss_gib": 0.5}
+        summary = {"format_ok": format_ok, "correct": 0.0, "exact_match": 0.0, "accuracy": 0.0}
+        return ModelResult(label=label, description=label, answers=Answers(texts=[], num_tokens=[], figures=figures), scores=[], summary=summary)
+
+    report = EvalReport(task="math_sum", data_path="eval.json", examples=examples,
+                        results={"base": result("base", 0.0, 12800, 120.0), "tuned": result("tuned", 1.0, 2207, 38.0)})
+    lines = {line.split()[0]: line.split()[1:] for line in report.format().splitlines()[3:-1]}
+    assert lines["format_ok"] == ["0.0%", "100.0%", "+100.0", "pts"]
+    assert lines["accuracy"] == ["0.0%", "0.0%", "+0.0", "pts"]
+    assert lines["generated_tokens"] == ["12,800", "tokens", "2,207", "tokens", "-10,593", "tokens"]
+    assert lines["tokens_per_s"] == ["120.0", "tokens/s", "38.0", "tokens/s", "0.32x"]
+    assert lines["wall_s"] == ["2.50", "s", "2.50", "s", "+0.00", "s"]
+    assert report.format().splitlines()[-1].startswith("scores: % of prompts; delta: tuned - base, in percentage points")
+    single = EvalReport(task="math_sum", data_path="eval.json", examples=examples, results={"tuned": report.results["tuned"]})
+    assert "100.0%" in single.format() and "delta" not in single.format()
+
+
+# --- the eval section without Ray ----------------------------------------------------------------
+
+
+def test_the_eval_section_generates_in_this_process_when_ray_was_not_started(monkeypatch):
+    import ray
+
+    from zerolab.evaluate import eval_workers
+
+    gpu = load_config(None, ["scaling.use_gpu=true", "scaling.num_workers=1", "eval.enabled=true"])
+    cpu = load_config(None, ["scaling.num_workers=1", "eval.enabled=true", "eval.num_workers=2"])
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    assert eval_workers(gpu) == eval_workers(cpu) == 0
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    assert eval_workers(gpu) == 1 and eval_workers(cpu) == 2  # the driver of a GPU job may have no GPU: actors
+
+
+def test_a_one_worker_job_without_ray_evaluates_after_training(tmp_path, tiny_model_path):
+    """A one-worker job trains in its own process without starting Ray (Ray Train's local mode)
+    and evaluates there too: with eval.num_workers=2 it took the Ray Data actors' path that a GPU
+    job takes with any eval.num_workers, and failed (RaySystemError: Ray has not been started yet)."""
+    import os
+
+    from mlflow import MlflowClient
+
+    overrides = tiny_overrides(tmp_path, **{"run.name": "alone-eval", "scaling.num_workers": 1, "train.max_steps": 4,
+                                            "eval.enabled": "true", "eval.num_examples": 4, "eval.max_new_tokens": 4,
+                                            "eval.num_workers": 2})
+    cmd = [sys.executable, str(REPO / "jobs" / "sft.py"), *(a for o in overrides for a in ("--set", o))]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert "it trains in this process, without starting Ray" in output and "Started a local Ray instance" not in output
+    assert "eval.num_workers=2: the job trained in this process without Ray (so without Ray Data actors); it evaluates in this process" in output
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    (run,) = [r for r in client.search_runs([client.get_experiment_by_name("tests").experiment_id]) if r.info.run_name == "alone-eval"]
+    assert run.info.status == "FINISHED" and run.data.params["derived.launch"] == "driver"
+    assert {"eval/base/format_ok", "eval/tuned/format_ok", "eval/tuned/tokens_per_s"} <= set(run.data.metrics)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from zerolab.errors import EvaluationError
-from zerolab.generation import DTYPES, DType, apply_adapter
+from zerolab.generation import DTYPES, MERGEABLE_METHODS, DType, adapter_method, apply_adapter, check_target_files
 from zerolab.reference import Target
 
 
@@ -30,6 +30,11 @@ def export_merged(target: Target, output: str | Path, *, dtype: DType = "auto", 
     if output.exists() and any(output.iterdir()) and not overwrite:
         raise EvaluationError(f"the output folder {output} exists and is not empty; choose a new folder or let the export overwrite it", input="output")
     assert target.base is not None and target.tuned_path is not None
+    check_target_files(target)
+    method = adapter_method(target.tuned_path)
+    if method not in MERGEABLE_METHODS:
+        raise EvaluationError(f"the adapter {target.source} is a {method} adapter, which peft cannot merge into the base weights; "
+                              "serve it as an adapter on its base model", input="adapter")
     spec = ModelSpec(name_or_path=target.base)
     torch_dtype = _saved_dtype(spec) if dtype == "auto" else DTYPES[dtype]
     tokenizer = load_tokenizer(spec)

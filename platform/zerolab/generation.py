@@ -26,8 +26,8 @@ from typing import Any, Literal
 
 import torch
 
-from zerolab.errors import EvaluationError
-from zerolab.reference import LoadSpec
+from zerolab.errors import EvaluationError, EvaluationInput
+from zerolab.reference import LoadSpec, Target
 from zerolab.tasks import get_task
 
 logger = logging.getLogger(__name__)
@@ -247,9 +247,55 @@ def _attention_backends(device: torch.device) -> Any:
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
+MERGEABLE_METHODS = ("LORA", "ADALORA")
+"""peft methods whose adapter ``merge_and_unload`` adds into the weights it adapts (LoRA's
+W + s·BA, with rsLoRA's scale s and DoRA's rescaled columns; AdaLoRA's W + s·B·diag(E)·A): the
+merged model computes what the base model with the adapter on top computes, in fewer operations."""
+
+
+def adapter_method(adapter_path: str | Path) -> str:
+    """The peft method of the adapter in ``adapter_path`` (``LORA``, ``ADALORA``, ...), from its config."""
+    return str(json.loads((Path(adapter_path) / "adapter_config.json").read_text()).get("peft_type", "unknown"))
+
+
+def check_saved_files(folder: str | Path, what: str, *, input: EvaluationInput = "adapter") -> None:
+    """Raise EvaluationError naming every damaged weights or config file (``*.safetensors``,
+    ``*.json``) in ``folder``, which the message calls ``what`` (``the adapter runs:/<id>``).
+    Reads only the files' headers: this runs before any model is loaded, where a truncated file
+    would otherwise fail deep inside safetensors or peft, after the base model was evaluated."""
+    from zerolab.integrity import folder_problems
+
+    folder = Path(folder)
+    damaged = folder_problems(folder)
+    if not damaged:
+        return
+    files = "; ".join(f"{path.relative_to(folder)} {problem}" for path, problem in damaged.items())
+    fix = ("copy it again from the training run's checkpoint (<run.storage_path>/<run.name>/checkpoint_*/adapter, checked when "
+           "it was saved) or give another checkpoint's adapter") if input == "adapter" else "download or copy the model folder again"
+    raise EvaluationError(f"{what} is damaged: {files}. The file was cut short or changed after it was written (an interrupted "
+                          f"copy, download or upload); {fix}", input=input)
+
+
+def check_target_files(target: Target) -> None:
+    """Raise EvaluationError when a weights or config file of the tuned model, or of a base model
+    given as a local folder, is damaged (truncated, or JSON that does not parse)."""
+    if target.tuned_path is not None:
+        folder = Path(target.tuned_path)
+        # A local reference is named by the folder that holds the files; runs:/ and models:/ by the reference.
+        local = target.source is None or not target.source.startswith(("runs:", "models:"))
+        what = f"the {'adapter' if target.tuned_kind == 'adapter' else 'model folder'} {folder if local else target.source}"
+        check_saved_files(folder, what)
+        if target.tuned_kind == "adapter" and not any(folder.glob("adapter_model.*")):
+            raise EvaluationError(f"{what} is incomplete: it has adapter_config.json but no adapter_model.safetensors; copy it again "
+                                  "from the training run's checkpoint (<run.storage_path>/<run.name>/checkpoint_*/adapter)", input="adapter")
+    if target.base is not None and Path(target.base).expanduser().is_dir():
+        check_saved_files(Path(target.base).expanduser(), f"the base model {target.base}", input="model")
+
+
 def apply_adapter(model: torch.nn.Module, adapter_path: str, *, merge: bool) -> torch.nn.Module:
     """``model`` with the PEFT adapter in ``adapter_path`` on top, or merged into its weights with
-    ``merge``. Raises EvaluationError when the adapter does not fit the model."""
+    ``merge`` (in place: ``model`` is the merged model then; the caller checks the method is one
+    of MERGEABLE_METHODS). Raises EvaluationError when the adapter does not fit the model."""
     from peft import PeftModel
 
     try:

@@ -38,6 +38,43 @@ def score_answers(task: str, examples: Sequence[Example], answers: Sequence[str]
 # --- the report -----------------------------------------------------------------------------------
 
 
+UNITS = {"wall_s": "s", "load_s": "s", "generate_s": "s", "tokens_per_s": "tokens/s", "generated_tokens": "tokens",
+         "gpu_peak_load_gib": "GiB", "gpu_peak_generate_gib": "GiB", "host_rss_gib": "GiB", "host_rss_peak_gib": "GiB"}
+"""The unit of each figure of :data:`PERF_KEYS`. Every other key is a score: a rate between 0 and
+1 (a share of the prompts; ner_json's precision, recall and F1 a share of entities)."""
+
+
+def format_figure(key: str, value: float) -> str:
+    """One figure for a person: a score as a percentage (``100.0%``), a count as a count
+    (``2,207 tokens``), a time, a speed or a size with its unit; ``-`` when missing."""
+    if not math.isfinite(value):
+        return "-"
+    unit = UNITS.get(key)
+    if unit is None:
+        return f"{100 * value:.1f}%"
+    if unit == "tokens":
+        return f"{value:,.0f} tokens"
+    if unit == "tokens/s":
+        return f"{value:,.1f} tokens/s"
+    return f"{value:,.2f} {unit}"
+
+
+def format_change(key: str, base: float, tuned: float) -> str:
+    """From ``base`` to ``tuned``: percentage points for a score (``+100.0 pts``), a ratio for a
+    speed (``1.02x``: a rate of tokens compares by how many times), a signed difference in the
+    figure's unit otherwise; ``-`` when either is missing."""
+    if not (math.isfinite(base) and math.isfinite(tuned)):
+        return "-"
+    unit = UNITS.get(key)
+    if unit is None:
+        return f"{100 * (tuned - base):+.1f} pts"
+    if unit == "tokens/s":
+        return f"{tuned / base:.2f}x" if base > 0 else "-"
+    if unit == "tokens":
+        return f"{tuned - base:+,.0f} tokens"
+    return f"{tuned - base:+,.2f} {unit}"
+
+
 @dataclass
 class ModelResult:
     label: str
@@ -89,20 +126,23 @@ class EvalReport:
         return rows
 
     def format(self) -> str:
-        """The side-by-side summary a person reads: scores first, then speed and memory."""
+        """The side-by-side summary a person reads: scores first, then speed and memory, each figure
+        with its unit (see :func:`format_figure`) and, with both models, the change from base to tuned."""
         labels = list(self.results)
         both = len(labels) > 1
-        head = f"{'':<24}" + "".join(f"{label:>12}" for label in labels) + (f"{'delta':>12}" if both else "")
-        lines = [f"task {self.task}: {len(self.examples)} prompts from {self.data_path}",
-                 *(f"  {label}: {r.description}" for label, r in self.results.items()), head]
         summary_keys = [k for k in self.primary.summary if k != "accuracy"]
         keys = ["accuracy", *summary_keys, *(k for k in PERF_KEYS if k in self.primary.answers.figures)]
+        rows = [["", *labels, *(["delta"] if both else [])]]
         for key in keys:
-            values = [self.results[label].metrics().get(key, math.nan) for label in labels]
-            line = f"{key:<24}" + "".join(f"{v:>12.4g}" for v in values)
-            if both:  # base ran first
-                line += f"{values[1] - values[0]:>+12.4g}"
-            lines.append(line)
+            values = {label: self.results[label].metrics().get(key, math.nan) for label in labels}
+            change = [format_change(key, values["base"], values["tuned"])] if both else []
+            rows.append([key, *(format_figure(key, v) for v in values.values()), *change])
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = [f"task {self.task}: {len(self.examples)} prompts from {self.data_path}",
+                 *(f"  {label}: {r.description}" for label, r in self.results.items())]
+        lines += [f"{row[0]:<{widths[0]}}" + "".join(f"  {cell:>{w}}" for cell, w in zip(row[1:], widths[1:])) for row in rows]
+        scores = "scores: % of prompts" + (" (precision, recall, f1: of entities)" if self.task == "ner_json" else "")
+        lines.append(f"{scores}{'; delta: tuned - base, in percentage points for scores, as a ratio for tokens_per_s' if both else ''}")
         return "\n".join(lines)
 
     def write(self, folder: str | Path) -> list[Path]:
