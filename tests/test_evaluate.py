@@ -424,6 +424,16 @@ def test_a_damaged_adapter_is_one_error_naming_the_file_and_exit_2(job_name, nam
     assert not (tmp_path / "out").exists() and not (tmp_path / "merged").exists()  # found before anything ran
 
 
+def test_a_damaged_adapter_config_without_a_base_model_is_one_error(adapter_dir, tmp_path):
+    """Without --model the base is read from the adapter's own config, which must be whole first."""
+    from zerolab.reference import resolve_target
+
+    folder = damaged_copy(adapter_dir, tmp_path / "adapter", "adapter_config.json", "json")
+    with pytest.raises(EvaluationError, match=r"is damaged: adapter_config.json is not valid JSON") as exc:
+        resolve_target(str(folder), None, f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "dl")
+    assert exc.value.input == "adapter"
+
+
 def test_a_damaged_model_folder_config_is_one_error(tmp_path, tiny_model_path):
     folder = damaged_copy(Path(tiny_model_path), tmp_path / "model", "config.json", "json")
     target = Target(base=None, tuned_path=str(folder), tuned_kind="full", source=str(folder))

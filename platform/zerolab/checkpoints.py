@@ -23,7 +23,6 @@ import logging
 import os
 import re
 import socket
-import struct
 import zipfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -35,6 +34,7 @@ import pyarrow.fs as pafs
 
 from zerolab.config import SFTConfig
 from zerolab.errors import UserError
+from zerolab.integrity import json_problem, safetensors_problem
 from zerolab.stop import shielded
 
 logger = logging.getLogger(__name__)
@@ -552,10 +552,9 @@ def verify_checkpoint(folder: RunFolder, name: str, *, stage: int, world_size: i
     for base, info in sorted(adapter.items()):
         if base.endswith(".json"):
             with folder.fs.open_input_stream(info.path) as f:
-                try:
-                    json.loads(f.read().decode())
-                except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                    raise CheckpointError(f"{where} is corrupt: adapter/{base} is not valid JSON ({exc})") from None
+                problem = json_problem(f.read())
+            if problem is not None:
+                raise CheckpointError(f"{where} is corrupt: adapter/{base} {problem}")
         elif base.endswith(".safetensors"):
             _check_safetensors(folder.fs, info, f"{where} is corrupt: adapter/{base}")
     if not any(b.endswith(".safetensors") for b in adapter):
@@ -580,20 +579,7 @@ def _check_zip(fs: pafs.FileSystem, info: pafs.FileInfo, what: str) -> None:
 
 
 def _check_safetensors(fs: pafs.FileSystem, info: pafs.FileInfo, what: str) -> None:
-    """A safetensors file is an 8-byte header length, a JSON header and the tensors' bytes, whose
-    extent the header gives: a truncated or padded file does not add up."""
     with fs.open_input_file(info.path) as f:
-        size = f.size()
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{what} is truncated ({size} bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8:
-            raise CheckpointError(f"{what} is truncated: its header alone needs {n} bytes, the file has {size}")
-        try:
-            header = json.loads(f.read(n).decode())
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{what} has an unreadable header ({exc})") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end != size:
-        raise CheckpointError(f"{what} is truncated or damaged: its tensors need {8 + n + end} bytes, the file has {size}")
+        problem = safetensors_problem(f, f.size())
+    if problem is not None:
+        raise CheckpointError(f"{what} {problem}")

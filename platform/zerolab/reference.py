@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from zerolab.errors import EvaluationError
+from zerolab.integrity import json_problem
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,12 @@ def resolve_target(adapter: str | None, model: str | None, tracking_uri: str, do
     params = dict(run.data.params) if run is not None else {}
     base = model or params.get("model.name_or_path") or None
     if base is None and kind == "adapter":
-        base = json.loads((tuned / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        config = (tuned / "adapter_config.json").read_bytes()
+        problem = json_problem(config)
+        if problem is not None:
+            raise EvaluationError(f"the adapter {adapter} is damaged: adapter_config.json {problem}. Copy it again from the training "
+                                  f"run's checkpoint (<run.storage_path>/<run.name>/checkpoint_*/adapter)", input="adapter")
+        base = json.loads(config).get("base_model_name_or_path")
         if not base:
             raise EvaluationError(f"the adapter {adapter} names no base model in its adapter_config.json; give the base model it was trained on",
                                   input="model")
