@@ -201,3 +201,37 @@ def matrix() -> list:
 @pytest.mark.parametrize(("num_gpus", "overrides"), matrix())
 def test_method_and_zero_stage_on_gpus(gpu_ray, tmp_path, gpu_model_path, num_gpus, overrides):
     check_case(tmp_path, gpu_model_path, overrides, num_gpus)
+
+
+def test_a_one_gpu_job_without_ray_evaluates_after_training_on_its_gpu(tmp_path, gpu_model_path):
+    """One GPU, one worker: the job trains in its own process without starting Ray, and the eval
+    section after training generates there too, on the same GPU (it once asked Ray's state API, not
+    started, and the run ended FAILED after training)."""
+    import json
+    import os
+
+    from mlflow import MlflowClient
+
+    from conftest import REPO
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(DS_ACCELERATOR="cuda", MLFLOW_ALLOW_FILE_STORE="true")
+    uri = f"file://{tmp_path / 'mlruns'}"
+    values = {"model.name_or_path": gpu_model_path, "scaling.use_gpu": "true", "scaling.num_workers": 1, "scaling.launch": "auto",
+              "run.name": "one-gpu-eval", "run.max_failures": 0, "data.num_train_rows": 128, "data.num_eval_rows": 16,
+              "train.max_steps": STEPS, "eval.enabled": "true", "eval.num_examples": 16, "eval.max_new_tokens": 8,
+              "tracking.uri": uri, "tracking.register": "false"}
+    cmd = [sys.executable, str(REPO / "jobs" / "sft.py")]
+    for item in tiny_overrides(tmp_path, **values):
+        cmd += ["--set", item]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "it trains in this process, without starting Ray" in output and "Started a local Ray instance" not in output
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id], "tags.`zerolab.run_name` = 'one-gpu-eval'")
+    assert run.info.status == "FINISHED" and run.data.params["derived.launch"] == "driver"
+    assert {"eval/tuned/format_ok", "eval/base/format_ok"} <= set(run.data.metrics)
+    assert run.data.metrics["eval/tuned/gpu_peak_generate_gib"] > 0
+    summary = json.loads(Path(client.download_artifacts(run.info.run_id, "eval/summary.json", str(tmp_path))).read_text())
+    assert summary["options"]["device"] == "cuda" and summary["options"]["merge"] is False
