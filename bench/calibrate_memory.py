@@ -414,7 +414,7 @@ def recompute_held_out(row: dict[str, str]) -> dict[str, str]:
     carries; no weights needed), measurements kept."""
     from zerolab.config import load_config
     from zerolab.models import cache_dir
-    from zerolab.run import job_shard_lengths
+    from zerolab.plan import job_shard_lengths
 
     case = next((c for cases in CASES.values() for c in cases if c.name == row["case"]), None)
     if case is None or row.get("status") != "ok":
@@ -454,7 +454,7 @@ def run_case(case: Case, out: Path, models: Path | None = None, *, data_aware: b
         cfg = load_config(None, case.overrides(path, out))
         data = None
         if data_aware:
-            from zerolab.run import job_shard_lengths
+            from zerolab.plan import job_shard_lengths
 
             data = job_shard_lengths(cfg)
         row.update({k: round(v, 3) for k, v in predict_overrides(estimate_overrides(case.overrides("unused", out)), case.shape,

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         model_config = load_model_config(cfg)
         data = None
         if args.data:
-            from zerolab.run import job_shard_lengths
+            from zerolab.plan import job_shard_lengths
 
             data = job_shard_lengths(cfg)
         rows = plan_options(cfg, model_config, limits, options=options, data=data)

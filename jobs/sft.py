@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     from zerolab.cli import run_job
     from zerolab.cluster import shutdown_ray
     from zerolab.config import load_config
-    from zerolab.run import process_start_time, run_sft
+    from zerolab.run import run_sft
+    from zerolab.clock import process_start_time
     from zerolab.warm import run_sft_warm, wanted
 
     def job() -> object:

@@ -253,7 +253,7 @@ def test_zero3_memory_efficient_linear_keeps_frozen_projection_inputs(tmp_path):
 def test_a_job_without_ray_needs_no_ray_services_on_its_node():
     """A job that trains in its own process with no Ray on the machine (``cluster.needs_ray``) needs
     its one process on the node, not Ray's services besides; the preflight checks it so
-    (``run.check_memory``), and a 7B LoRA that a 3 GiB Ray term would refuse on a tight host fits."""
+    (``plan.check_memory``), and a 7B LoRA that a 3 GiB Ray term would refuse on a tight host fits."""
     cfg = gpu_cfg("deepspeed.stage=2", "deepspeed.offload_optimizer=true")
     with_ray, alone = memory.estimate(cfg, QWEN25_7B), memory.estimate(cfg, QWEN25_7B, calibration=memory.without_ray())
     assert alone.host_node == {} and alone.host_total() == alone.host_workers() == with_ray.host_workers()
@@ -668,7 +668,8 @@ def test_host_estimate_matches_a_cpu_run(ray_cluster, tmp_path, extra):
     ``host_cpu_tensor_factor``), and Ray may hand a train worker a pooled process that already ran
     a data task; the default run checks the per-process baseline, the second one a run where the
     tensors (1.4 GiB predicted per worker) outweigh it."""
-    from zerolab.run import job_shard_lengths, run_sft
+    from zerolab.run import run_sft
+    from zerolab.plan import job_shard_lengths
 
     cfg = load_config(None, tiny_overrides(tmp_path, **extra))
     result = run_sft(cfg)

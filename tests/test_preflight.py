@@ -59,7 +59,7 @@ def test_a_job_that_fits_by_its_data_launches(tmp_path, tiny_model_path):
 def test_force_lets_a_refused_job_past_the_preflight(ray_cluster, tmp_path, tiny_model_path, caplog):
     from zerolab.config import load_config
     from zerolab.memory import load_model_config
-    from zerolab.run import check_memory, prepare_data
+    from zerolab.plan import check_memory, prepare_data
 
     cfg = load_config(None, tiny_overrides(tmp_path, **{**HUGE, "train.micro_batch_size": 8,
                                                         "data.train_path": long_rows(tmp_path)}))
@@ -75,7 +75,7 @@ def test_a_jobs_plan_resolves_model_data_and_deepspeed_once(ray_cluster, tmp_pat
     """The plan holds what the driver resolved; a second plan of the same job reads the tokenized cache."""
     from zerolab import ds_config
     from zerolab.config import load_config
-    from zerolab.run import plan_job
+    from zerolab.plan import plan_job
 
     cfg = load_config(None, tiny_overrides(tmp_path, **{"train.max_steps": 2}))
     first, second = plan_job(cfg), plan_job(cfg)

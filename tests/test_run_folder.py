@@ -202,7 +202,7 @@ def test_the_lock_refuses_a_second_job_and_outlives_no_process(tmp_path):
 def test_the_start_up_line_names_every_phase_to_the_first_step(caplog):
     import logging
 
-    from zerolab.run import StartupClock
+    from zerolab.clock import StartupClock
 
     clock = StartupClock()
     clock.launched = 1000.0
@@ -219,7 +219,7 @@ def test_the_start_up_clock_starts_when_the_process_did():
     """``process_start_time`` (what ``jobs/sft.py`` gives the start-up clock) is the process's start:
     a fresh process that slept 1.5 s before asking is 1.5 s old and a little more, not seconds off
     (psutil's create_time was off by minutes on a VM whose wall clock had been stepped)."""
-    code = "import time; time.sleep(1.5); from zerolab.run import process_start_time; print(time.time() - process_start_time())"
+    code = "import time; time.sleep(1.5); from zerolab.clock import process_start_time; print(time.time() - process_start_time())"
     age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout)
     assert 1.5 <= age < 6, age
 

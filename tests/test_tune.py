@@ -90,7 +90,7 @@ def test_trials_on_the_sweeps_data_take_it_without_reading_a_file(tmp_path, tiny
     """The sweep prepares its base job's data once; a trial on the same data takes it as it is (its
     file may exist only on the sweep's node), a trial whose params change the tokens does not."""
     from zerolab.data import DataError
-    from zerolab.run import prepare_data
+    from zerolab.plan import prepare_data
 
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps({"instruction": f"add {k} and {k}", "output": str(2 * k)}) + "\n" for k in range(40)))

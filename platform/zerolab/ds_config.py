@@ -48,9 +48,10 @@ UNCAPPED = 2**62
 """``stage3_max_live_parameters`` for adapter training: more elements than any model has."""
 
 
-def resolve(cfg: SFTConfig, hidden_size: int) -> dict[str, Any]:
-    """The DeepSpeed config dict for this job, every ``"auto"`` filled; raises ConfigError on conflicts."""
-    path = config_path(cfg)
+def resolve(cfg: SFTConfig, hidden_size: int, path: Path | None = None) -> dict[str, Any]:
+    """The DeepSpeed config dict for this job from ``path`` (default: :func:`config_path`), every
+    ``"auto"`` filled; raises ConfigError on conflicts."""
+    path = path or config_path(cfg)
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:

@@ -1,5 +1,6 @@
-"""The driver side of an SFT job: connect to Ray, check everything that can be checked before a
-worker starts, prepare the data, open the MLflow run and run the ``TorchTrainer``."""
+"""The driver side of an SFT job, in the order of its phases: open the run folder and check the
+environment, connect to Ray, plan (:mod:`zerolab.plan`), open the MLflow record, fit the
+``TorchTrainer``, and record the outcome (adapter, registration, evaluation)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ from typing import Any
 import yaml
 
 import zerolab
-from zerolab import ds_config, stop, tracking
+from zerolab import stop, tracking
 from zerolab.cadence import STOPPED_AT_DEADLINE
 from zerolab.checkpoints import RunFolder, RunRecord, check_same_data, check_storage, location, prepare_run_folder
+from zerolab.clock import StartupClock
 from zerolab.cluster import (
     adopt_worker_env,
     connect_ray,
@@ -30,14 +32,12 @@ from zerolab.cluster import (
     job_imports,
     may_train_in_driver,
     needs_ray,
-    reserved_resources,
     resolve_launch,
     worker_resources,
 )
 from zerolab.config import ConfigError, SFTConfig
-from zerolab.data import DataError, PreparedSplit, SplitReport, dataset_paths, prepare_split
-from zerolab.errors import EnvironmentProblem
-from zerolab.memory import load_model_config
+from zerolab.data import PreparedSplit
+from zerolab.plan import JobPlan, check_resources, plan_job
 from zerolab.stop import DeadlineReached, Interrupted, StopSignal
 
 logger = logging.getLogger("zerolab")
@@ -155,7 +155,7 @@ def _train(plan: JobPlan, run: tracking.TrackedRun, record: RunRecord, folder: R
            config_file: str | Path | None, in_tune: bool, resume_from: str | None, stopper: StopSignal) -> RunResult:
     """Record the job's inputs, run the trainer, and record its outcome into ``run`` and ``record``."""
     cfg, memory = plan.cfg, plan.memory
-    run.log_params(tracking.mask_params({**cfg.flat(), **derived_params(cfg, plan.reports, plan.commit, plan.launch), **memory.params()}))
+    run.log_params(tracking.mask_params({**cfg.flat(), **derived_params(plan), **memory.params()}))
     run.log_metrics(memory.predicted(), step=0)
     _log_inputs(run, plan, config_file)
     folder.write_record(record)  # training begins
@@ -195,99 +195,6 @@ def _train(plan: JobPlan, run: tracking.TrackedRun, record: RunRecord, folder: R
     adapter = f"{checkpoint_uri.rstrip('/')}/adapter"
     return RunResult(run_id=run.run_id, run_name=cfg.run.name, tracking_uri=run.uri, checkpoint_path=checkpoint_uri,
                      adapter_path=adapter, metrics=metrics, data={k: r.to_dict() for k, r in plan.reports.items()})
-
-
-@dataclass(frozen=True)
-class JobPlan:
-    """What the driver resolves for a job, once, before anything is launched: the checks, the
-    estimate, the MLflow params and the trainer read it, and the workers get its config and
-    DeepSpeed JSON (they re-resolve nothing)."""
-
-    cfg: SFTConfig
-    model_path: str
-    """Local folder or hub id (``builtin:`` names resolved)."""
-    model_config: Any
-    """The model's Hugging Face config (or a known shape's dict); no weights are read."""
-    deepspeed: dict[str, Any]
-    """The resolved DeepSpeed JSON the engine is built from."""
-    splits: dict[str, PreparedSplit]
-    """Tokenized rows of each split (with their fingerprint and token counts)."""
-    memory: MemoryCheck
-    commit: str | None
-    launch: str = "workers"
-    """``driver`` (the job's own process trains: Ray Train's local mode) or ``workers``."""
-
-    @property
-    def reports(self) -> dict[str, SplitReport]:
-        return {name: split.report for name, split in self.splits.items()}
-
-
-def plan_job(cfg: SFTConfig, *, force: bool = False, clock: StartupClock | None = None,
-             shared_data: dict[str, PreparedSplit] | None = None, launch: str | None = None) -> JobPlan:
-    """Resolve ``cfg`` against its model, data and cluster (Ray connected): raises ConfigError,
-    DataError, ModelLoadError or MemoryPreflightError (unless ``force``) for what cannot run.
-    ``shared_data``: a sweep's splits for this trial (:func:`prepare_data`); ``launch``: where it
-    trains, when already resolved (``cluster.resolve_launch``)."""
-    from zerolab.models import resolve_model_path
-
-    model_path = resolve_model_path(cfg.model.name_or_path)
-    model_config = load_model_config(cfg)
-    resolved_ds = check_against_model(cfg, model_config)
-    splits = prepare_data(cfg, model_path, shared_data)
-    if clock:
-        clock.mark("model config and data")
-    memory = check_memory(cfg, model_config, force=force, datasets=splits)
-    if clock:
-        clock.mark("memory estimate")
-    return JobPlan(cfg, model_path, model_config, resolved_ds, splits, memory, tracking.git_commit(),
-                   launch or resolve_launch(cfg))
-
-
-def process_start_time() -> float:
-    """When this process started, on the wall clock: now less the process's age, read on the
-    kernel's boot clock (``/proc``), which steps of the wall clock (NTP, a resumed VM) do not move.
-    psutil's ``create_time`` adds the boot time in whole wall-clock seconds as recorded at boot: off
-    by up to a second, and by every step since (minutes, seen on a VM)."""
-    try:
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        started_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
-        return time.time() - (uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):  # not Linux
-        import psutil
-
-        return psutil.Process().create_time()
-
-
-class StartupClock:
-    """The driver's start-up phases, from launch to the workers' first optimizer step: logged as
-    one line and as ``perf/startup_s`` (with the step's time, ``perf/first_step_unix``, and the
-    training time, ``perf/wall_s``) so runs compare their start-up in MLflow.
-
-    ``launched`` is when the job's process started (the jobs pass it, so Python's start and the
-    imports count); without it, now (a Tune trial, a job called in-process)."""
-
-    def __init__(self, launched: float | None = None) -> None:
-        self._marks: list[tuple[str, float]] = []
-        self.launched = launched or time.time()
-        if launched:
-            self.mark("Python start and imports")
-
-    def mark(self, phase: str) -> None:
-        """The phase that ends now."""
-        self._marks.append((phase, time.time()))
-
-    def report(self, metrics: dict[str, Any]) -> dict[str, float]:
-        first = metrics.get("perf/first_step_unix")
-        if not first:
-            return {}
-        times = [self.launched, *(t for _, t in self._marks), first]
-        phases = [*(name for name, _ in self._marks), "workers to their first step"]
-        parts = ", ".join(f"{name} {end - start:.1f} s" for name, start, end in zip(phases, times, times[1:]))
-        logger.info("start-up: first optimizer step %.1f s after launch (%s)", first - self.launched, parts)
-        out = {"perf/startup_s": first - self.launched, "perf/first_step_unix": first}
-        if "perf/wall_s" in metrics:
-            out["perf/wall_s"] = metrics["perf/wall_s"]
-        return out
 
 
 def with_run_name(cfg: SFTConfig) -> SFTConfig:
@@ -330,51 +237,6 @@ def _checkpoint_step(name: str | None) -> int | None:
     return int(name.rsplit("_", 1)[-1]) if name and name.rsplit("_", 1)[-1].isdigit() else None
 
 
-def check_resources(cfg: SFTConfig, launch: str) -> None:
-    """Refuse a job the cluster cannot place (Ray Train would otherwise wait for resources forever).
-    A worker group cannot use what the job's own process holds (``ray job submit
-    --entrypoint-num-gpus/--entrypoint-num-cpus``): that is left out of what the cluster has."""
-    import ray
-
-    s = cfg.scaling
-    if launch == "driver" and s.use_gpu and os.environ.get("DS_ACCELERATOR", "cuda") != "cuda":
-        raise EnvironmentProblem(f"scaling.use_gpu=true, but this process has DS_ACCELERATOR={os.environ['DS_ACCELERATOR']}, "
-                                 "which DeepSpeed would train with; unset it, or set --set scaling.use_gpu=false to train on CPUs.")
-    if not ray.is_initialized():  # one worker, in this process, on this machine (cluster.needs_ray)
-        import torch
-
-        if s.use_gpu and not torch.cuda.device_count():
-            raise EnvironmentProblem("scaling.use_gpu=true but this machine has no CUDA GPU that this process can see; run on a "
-                                     "GPU machine, or set --set scaling.use_gpu=false to train on CPUs.")
-        return
-    resources = ray.cluster_resources()
-    held = {k: v for k, v in reserved_resources().items() if k in ("CPU", "GPU") and v} if launch == "workers" else {}
-    note = ""
-    if held:
-        note = (f", less {', '.join(f'{v:g} {k}' for k, v in held.items())} that the job's own process holds (the job was "
-                "submitted with --entrypoint-num-gpus/--entrypoint-num-cpus, which its worker group cannot use: submit it "
-                "without them, or with scaling.num_workers=1 it trains in that process)")
-    if s.use_gpu:
-        gpus = int(resources.get("GPU", 0))
-        if gpus == 0:
-            raise EnvironmentProblem(
-                "scaling.use_gpu=true but the Ray cluster has no GPUs (no CUDA device was found, or the nodes "
-                "were started without them). Run on a GPU machine/cluster, or set --set scaling.use_gpu=false to "
-                "train on CPUs."
-            )
-        if gpus - held.get("GPU", 0) < s.num_workers:
-            raise EnvironmentProblem(
-                f"scaling.num_workers={s.num_workers} needs {s.num_workers} GPUs but the cluster has {gpus}{note}; lower "
-                "scaling.num_workers or add GPU nodes."
-            )
-    cpus = resources.get("CPU", 0)
-    if s.num_workers * s.cpus_per_worker > cpus - held.get("CPU", 0):
-        raise EnvironmentProblem(
-            f"scaling.num_workers × scaling.cpus_per_worker = {s.num_workers} × {s.cpus_per_worker:g} CPUs, but the "
-            f"cluster has {cpus:g}{note}; lower either, or add nodes."
-        )
-
-
 def warn_if_node_local(tracking_uri: str) -> None:
     """Warn when the MLflow store is a file on this machine and the cluster has other nodes: rank 0
     logs metrics from its own node, where that file exists only on a filesystem all nodes mount."""
@@ -387,186 +249,6 @@ def warn_if_node_local(tracking_uri: str) -> None:
         logger.warning("MLflow store %s is a file, and the Ray cluster has %d nodes: workers on other nodes can log to it "
                        "only if every node mounts it at the same path. Otherwise set MLFLOW_TRACKING_URI (or tracking.uri) "
                        "to a tracking server that the nodes reach; infra/ starts one.", tracking_uri, nodes)
-
-
-@dataclass
-class MemoryCheck:
-    """The memory estimator's prediction for a job (None where it could not estimate), logged next
-    to the measured ``mem/*`` peaks so every run records its prediction error."""
-
-    estimate: Any = None
-    limits: Any = None
-    note: str = ""
-    by_config: str | None = None
-    """The worst case by config, where it differs from a data-aware ``estimate``."""
-
-    PAIRS = (("gpu_peak_allocated_gib", "device_peak"), ("gpu_peak_reserved_gib", "device_reserved"),
-             ("host_rss_peak_gib", "host_workers"))
-    """Measured metric (``mem/<name>``) -> Estimate figure it is compared with."""
-
-    def _predicted_bytes(self) -> dict[str, float]:
-        est = self.estimate
-        if est is None:
-            return {}
-        figures = {"device_peak": est.device_peak, "device_reserved": est.device_reserved,
-                   "host_workers": est.host_workers_before_save(est.workers_per_node(self.limits))}
-        keys = self.PAIRS if est.use_gpu else self.PAIRS[2:]
-        return {name: figures[attr] for name, attr in keys}
-
-    def params(self) -> dict[str, Any]:
-        if self.estimate is None:
-            return {"memory.estimate": self.note or "unavailable"}
-        params = {"memory.estimate": self.estimate.summary(self.limits), "memory.limits": self.limits.describe()}
-        return {**params, **({"memory.estimate_by_config": self.by_config} if self.by_config else {})}
-
-    def predicted(self) -> dict[str, float]:
-        return {f"mem/pred_{name}": value / 2**30 for name, value in self._predicted_bytes().items()}
-
-    def errors(self, measured: dict[str, Any]) -> dict[str, float]:
-        """(measured - predicted) / measured in percent, for each peak the run reported."""
-        out = {}
-        for name, predicted in self._predicted_bytes().items():
-            value = measured.get(f"mem/{name}")
-            if isinstance(value, (int, float)) and value > 0:
-                out[f"mem/pred_error_{name}_pct"] = 100 * (predicted / 2**30 - value) / value
-        return out
-
-
-def check_memory(cfg: SFTConfig, model_config: Any, *, force: bool = False, datasets: dict[str, Any] | None = None) -> MemoryCheck:
-    """Estimate the job's memory per GPU and per node and refuse it when it cannot fit the nodes it
-    would run on (raises MemoryPreflightError, which names the options that would fit). With the
-    prepared ``datasets`` the estimate takes the largest micro-batch the workers' shards will make
-    (and the worst case by config is logged next to it); without, the worst case by config.
-    ``force`` launches anyway, with a warning. Models the estimator does not know are let through."""
-    import ray
-
-    from zerolab import memory
-
-    calibration = memory.DEFAULT_CALIBRATION if ray.is_initialized() else memory.without_ray()
-    try:
-        limits = cluster_limits(cfg)
-        data = shard_lengths(datasets, cfg.world_size()) if datasets else None
-        try:
-            est = memory.preflight(cfg, model_config, limits, calibration=calibration, data=data)
-        except memory.MemoryPreflightError as exc:
-            if not force:
-                raise
-            logger.warning("launching anyway (--force): %s", exc)
-            est = exc.estimate
-    except memory.MemoryPreflightError:
-        raise
-    except memory.MemoryEstimateError as exc:
-        logger.warning("no memory estimate for this job, so no preflight check: %s", exc)
-        return MemoryCheck(note=str(exc))
-    by_config = memory.worst_case_by_config(cfg, model_config, est, limits, calibration=calibration)
-    logger.info("memory estimate: %s on %s (%s)%s", est.summary(limits), limits.describe(), est.batch.describe(),
-                f"; {by_config}" if by_config else "")
-    return MemoryCheck(est, limits, by_config=by_config)
-
-
-def shard_lengths(datasets: dict[str, PreparedSplit], world_size: int) -> Any:
-    """The token length of every row of each rank's shards (a ``zerolab.memory.ShardLengths``), as
-    :func:`zerolab.data.shard_rows` deals them to the workers."""
-    from zerolab.data import shard_rows
-    from zerolab.memory import ShardLengths
-
-    def by_rank(split: PreparedSplit, equal: bool) -> list[list[int]]:
-        return [split.lengths[rows].tolist() for rows in shard_rows(split.num_rows, world_size, equal=equal)]
-
-    return ShardLengths(by_rank(datasets["train"], True), by_rank(datasets["eval"], False) if "eval" in datasets else [])
-
-
-def job_shard_lengths(cfg: SFTConfig) -> Any:
-    """The job's shards (``shard_lengths``) from its data as a run would prepare it (its files, or
-    the task's generated ones; the tokenized-data cache when unchanged), without starting workers."""
-    from zerolab.models import resolve_model_path
-
-    splits = prepare_data(cfg, resolve_model_path(cfg.model.name_or_path))
-    return shard_lengths(splits, cfg.world_size())
-
-
-def cluster_limits(cfg: SFTConfig) -> Any:
-    """GPU memory and host RAM of the Ray nodes that can run this job's workers, measured on each
-    node by a zero-resource task (the driver may sit on a machine without GPUs), the driver's own
-    node in-process (a task's new worker process costs seconds): the smallest GPU and the smallest
-    RAM among them, so the check holds wherever Ray places the workers."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from zerolab.memory import Limits
-
-    if not ray.is_initialized():  # the job trains in this process (cluster.needs_ray)
-        return Limits.detect()
-
-    @ray.remote(num_cpus=0)
-    def detect() -> Limits:
-        return Limits.detect_with_nvml()
-
-    nodes = [n for n in ray.nodes() if n["Alive"] and (not cfg.scaling.use_gpu or n["Resources"].get("GPU", 0) > 0)
-             and n["Resources"].get("CPU", 0) >= cfg.scaling.cpus_per_worker]
-    here = ray.get_runtime_context().get_node_id()
-    found = ray.get([detect.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
-                     for n in nodes if n["NodeID"] != here])
-    found += [Limits.detect_with_nvml() for n in nodes if n["NodeID"] == here]
-    gpu = [f.gpu_mem_bytes for f in found if f.gpu_mem_bytes] if cfg.scaling.use_gpu else []
-    host = [f.host_mem_bytes for f in found if f.host_mem_bytes]
-    per_node = max((f.gpus_per_node or 0) for f in found) if cfg.scaling.use_gpu and found else None
-    return Limits(gpu_mem_bytes=min(gpu) if gpu else None, gpus_per_node=per_node or None,
-                  host_mem_bytes=min(host) if host else None, num_nodes=max(1, len(found)),
-                  source=f"detected on {len(found)} Ray node(s)")
-
-
-def check_against_model(cfg: SFTConfig, model_config: Any) -> dict[str, Any]:
-    """Checks that need the model's architecture (``model_config``, see ``zerolab.memory.load_model_config``);
-    returns the resolved DeepSpeed config. Problems from both are reported together."""
-    from zerolab.models import linear_module_names
-
-    problems: list[str] = []
-    linear = linear_module_names(cfg.model, model_config)
-    if cfg.adapter.is_peft() and list(cfg.adapter.target_modules) != ["all-linear"]:
-        missing = [m for m in cfg.adapter.target_modules if m not in linear]
-        if missing:
-            problems.append(
-                f"adapter.target_modules: {missing} are not linear modules of {cfg.model.name_or_path}; "
-                f"choose from {sorted(linear)} or use [all-linear]"
-            )
-    hidden = model_config.get("hidden_size") if isinstance(model_config, dict) else getattr(model_config, "hidden_size", None)
-    resolved: dict[str, Any] = {}
-    try:
-        resolved = ds_config.resolve(cfg, hidden or 1024)
-    except ConfigError as exc:
-        problems.extend(exc.problems)
-    if problems:
-        raise ConfigError(problems)
-    return resolved
-
-
-def prepare_data(cfg: SFTConfig, model_path: str, shared: dict[str, PreparedSplit] | None = None) -> dict[str, PreparedSplit]:
-    """Each split's tokenized rows, with its report (from the tokenized-data cache when unchanged).
-
-    ``shared``: the splits a sweep prepared once for trials on its data (:func:`zerolab.data.data_identity`);
-    they are taken as they are, so a trial reads no data file (which may exist only on the sweep's
-    node) and does not prepare the data again."""
-    if shared is not None:
-        splits = {name: replace(split, report=replace(split.report, from_sweep=True)) for name, split in shared.items()}
-        for split in splits.values():
-            logger.info("data %s", split.report.summary())
-    else:
-        splits = {}
-        for split, path in dataset_paths(cfg).items():
-            started = time.monotonic()
-            splits[split] = prepare_split(split, path, cfg, model_path)
-            logger.info("data %s, in %.1f s", splits[split].report.summary(), time.monotonic() - started)
-    train = splits["train"].report
-    if train.rows_used < cfg.world_size():
-        raise DataError(
-            f"data.train_path: {train.rows_used} usable rows cannot be split over scaling.num_workers="
-            f"{cfg.world_size()} workers; add data or use fewer workers"
-        )
-    need = cfg.train.micro_batch_size * cfg.world_size()
-    if train.rows_used < need and not cfg.data.packing:
-        logger.warning("only %d training rows for a global micro-batch of %d", train.rows_used, need)
-    return splits
 
 
 def run_tags(cfg: SFTConfig, commit: str | None) -> dict[str, str]:
@@ -583,13 +265,15 @@ def _final_metric_tags(metrics: dict[str, Any]) -> dict[str, str]:
     return {k: f"{metrics[k]:.6g}" for k in keys if isinstance(metrics.get(k), (int, float))}
 
 
-def derived_params(cfg: SFTConfig, reports: dict[str, SplitReport], commit: str | None, launch: str) -> dict[str, Any]:
+def derived_params(plan: JobPlan) -> dict[str, Any]:
+    """The plan's MLflow params beside the config's: sizes, versions, data reports."""
+    cfg, commit = plan.cfg, plan.commit
     params: dict[str, Any] = {
         "derived.world_size": cfg.world_size(),
-        "derived.launch": launch,
+        "derived.launch": plan.launch,
         "derived.global_batch_size": cfg.global_batch_size(),
         "derived.precision": cfg.precision(),
-        "derived.deepspeed_config": str(ds_config.config_path(cfg)),
+        "derived.deepspeed_config": str(plan.deepspeed_file),
         "versions.python": _platform.python_version(),
         "derived.git_commit": commit or "unknown",
     }
@@ -599,7 +283,7 @@ def derived_params(cfg: SFTConfig, reports: dict[str, SplitReport], commit: str 
             params[f"versions.{package}"] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             params[f"versions.{package}"] = zerolab.__version__ if package == "zerolab" else "unknown"
-    for split, report in reports.items():
+    for split, report in plan.reports.items():
         params[f"data.{split}.fingerprint"] = report.fingerprint[:16]
         params[f"data.{split}.rows_used"] = report.rows_used
         params[f"data.{split}.rows_bad"] = report.rows_bad

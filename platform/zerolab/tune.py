@@ -337,7 +337,7 @@ class SweepData:
         """Raises DataError (or ModelLoadError) for data no trial could train on."""
         from zerolab.data import data_identity
         from zerolab.models import resolve_model_path
-        from zerolab.run import prepare_data
+        from zerolab.plan import prepare_data
 
         return cls(data_identity(base), prepare_data(base, resolve_model_path(base.model.name_or_path)))
 
@@ -517,7 +517,7 @@ def _announce_skips(base: SFTConfig, sweep: Sweep, points: list[dict[str, Any]],
     from zerolab import memory
     from zerolab.errors import EnvironmentProblem
     from zerolab.models import ModelLoadError
-    from zerolab.run import cluster_limits, shard_lengths
+    from zerolab.plan import cluster_limits, shard_lengths
 
     limits, model_configs = None, {}
     for point in points:
