@@ -442,8 +442,8 @@ def run_case(case: Case, out: Path, models: Path | None = None, *, data_aware: b
     """Train ``case`` and return its CSV row (status ``failed: ...`` when the run fails). ``data_aware``:
     predict from the shards of the case's data, as the run's preflight does (such rows cannot be
     predicted again from their overrides alone)."""
-    from zerolab.cli import root_cause
     from zerolab.config import load_config
+    from zerolab.errors import root_cause
     from zerolab.run import run_sft
 
     row: dict[str, Any] = {"case": case.name, "device": _device_name(case.gpu), "workers": case.workers, "shape": case.shape,

@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from mlflow.exceptions import MlflowException
 
-    from zerolab.cli import USER_ERROR, user_errors
-    from zerolab.errors import EvaluationError
+    from zerolab.cli import USER_ERROR
+    from zerolab.errors import EvaluationError, UserError
     from zerolab.evaluate import default_run_name, log_eval_run, options_for, run_evaluation
     from zerolab.reference import resolve_target
     from zerolab.tracking import tracking_uri
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             run_name = args.run_name or default_run_name(target)
             written = report.write(args.output_dir or Path("eval_outputs") / run_name)
             run_id = log_eval_run(report, target, uri, experiment=args.experiment, run_name=run_name)
-    except (*user_errors(), MlflowException) as exc:
+    except (UserError, MlflowException) as exc:
         flag = FLAGS.get(exc.input) if isinstance(exc, EvaluationError) and exc.input else None
         print(f"\nerror: {flag + ': ' if flag else ''}{exc}", file=sys.stderr)
         return USER_ERROR

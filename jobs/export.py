@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from mlflow.exceptions import MlflowException
 
-    from zerolab.cli import USER_ERROR, user_errors
-    from zerolab.errors import EvaluationError
+    from zerolab.cli import USER_ERROR
+    from zerolab.errors import EvaluationError, UserError
     from zerolab.export import export_merged
     from zerolab.reference import resolve_target
     from zerolab.tracking import tracking_uri
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="zerolab-export-") as tmp:
             target = resolve_target(args.adapter, args.model, tracking_uri(args.tracking_uri), tmp)
             result = export_merged(target, args.output, dtype=args.dtype, overwrite=args.overwrite)
-    except (*user_errors(), MlflowException) as exc:
+    except (UserError, MlflowException) as exc:
         flag = FLAGS.get(exc.input) if isinstance(exc, EvaluationError) and exc.input else None
         print(f"\nerror: {flag + ': ' if flag else ''}{exc}", file=sys.stderr)
         return USER_ERROR

@@ -33,11 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
 
-    from zerolab.cli import run_job
+    from zerolab.cli import REMEDIES, run_job
+    from zerolab.clock import process_start_time
     from zerolab.cluster import shutdown_ray
     from zerolab.config import load_config
     from zerolab.run import run_sft
-    from zerolab.clock import process_start_time
     from zerolab.warm import run_sft_warm, wanted
 
     def job() -> object:
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
                                                            launched=launched, accept_changed_data=args.accept_changed_data)
 
     try:
-        code, message = run_job(job, command=sys.argv if argv is None else ["jobs/sft.py", *argv])
+        code, message = run_job(job, command=sys.argv if argv is None else ["jobs/sft.py", *argv], remedies=REMEDIES)
     finally:
         shutdown_ray()
     print(message, file=sys.stdout if code == 0 else sys.stderr)

@@ -34,8 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
 
     from zerolab import tune
-    from zerolab.cli import INTERRUPTED, USER_ERROR, user_errors
+    from zerolab.cli import INTERRUPTED, USER_ERROR
     from zerolab.config import apply_overrides, load_config, load_yaml
+    from zerolab.errors import UserError
     from zerolab.tracking import mask_text
 
     command = sys.argv if argv is None else ["jobs/tune.py", *argv]
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             sweep = tune.parse_sweep(tune.DEFAULT_SWEEP, set(cfg.flat()))
         rows = tune.run_sweep(base, sweep, resume=bool(args.resume), out_dir=args.out)
-    except (tune.SweepError, *user_errors()) as exc:
+    except UserError as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return USER_ERROR
     except KeyboardInterrupt:

@@ -153,7 +153,8 @@ def test_a_relaunch_on_changed_data_is_refused_unless_accepted(tmp_path, caplog)
         check_same_data(cfg, folder, record, {"train": "c" * 64, "eval": "b" * 64})
     message = str(found.value)
     assert f"train data {'a' * 16} -> {'c' * 16}" in message and "eval data" not in message
-    assert "--restart" in message and "--accept-changed-data" in message and "new run.name" in message
+    assert "start the run over" in message and "new run.name" in message and "--" not in message  # the job adds its flags
+    assert found.value.remedies == ("restart", "accept_changed_data")
     check_same_data(cfg, folder, record, {"train": "c" * 64}, accept=True)
     assert "resumes on changed data" in caplog.text
     check_same_data(cfg, folder, RunRecord(config={}), {"train": "c" * 64})  # a record from before fingerprints were kept
@@ -277,3 +278,16 @@ def test_a_registry_fault_after_training_keeps_the_run_and_changed_data_is_refus
     assert [v.run_id for v in versions] == [result.run_id]
     losses = tracking.mlflow_client(uri).get_metric_history(result.run_id, "train/loss")
     assert sorted(m.step for m in losses) == [2, 4, 6]  # trained once
+
+
+def test_the_job_adds_the_flags_of_a_user_errors_remedies():
+    from zerolab.checkpoints import DataChanged
+    from zerolab.cli import REMEDIES, USER_ERROR, run_job
+
+    def job():
+        raise DataChanged("run 'r' was trained on other data; start the run over, or resume it on the new data knowingly.")
+
+    assert run_job(job, remedies=REMEDIES) == (USER_ERROR, "\nerror: run 'r' was trained on other data; start the run over, or "
+                                               "resume it on the new data knowingly.\n  --restart starts the run over, discarding "
+                                               "its checkpoints\n  --accept-changed-data resumes the run on the changed data")
+    assert "--restart" not in run_job(job)[1]  # a job without the flag offers none

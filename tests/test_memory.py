@@ -587,7 +587,7 @@ def test_preflight_refuses_with_the_estimate_the_limit_and_what_fits():
     message = str(exc)
     est = memory.estimate(cfg, QWEN25_7B)
     assert f"{est.device_total / GIB:.1f} GiB of 24.0 GiB per GPU" in message
-    assert "--set deepspeed.stage=3 deepspeed.offload_optimizer=false deepspeed.offload_param=false" in message
+    assert "deepspeed.stage=3 deepspeed.offload_optimizer=false deepspeed.offload_param=false →" in message
     assert exc.fitting and exc.fitting[0].option == Option(3) and exc.estimate.option == Option(0)
 
     fine = memory.preflight(cfg, QWEN25_7B, Limits(gpu_mem_bytes=80 * GIB, gpus_per_node=2, host_mem_bytes=256 * GIB))
@@ -668,8 +668,8 @@ def test_host_estimate_matches_a_cpu_run(ray_cluster, tmp_path, extra):
     ``host_cpu_tensor_factor``), and Ray may hand a train worker a pooled process that already ran
     a data task; the default run checks the per-process baseline, the second one a run where the
     tensors (1.4 GiB predicted per worker) outweigh it."""
-    from zerolab.run import run_sft
     from zerolab.plan import job_shard_lengths
+    from zerolab.run import run_sft
 
     cfg = load_config(None, tiny_overrides(tmp_path, **extra))
     result = run_sft(cfg)

@@ -113,7 +113,7 @@ def test_no_good_checkpoint_names_each_problem(run):
     cfg, run_dir, names = run
     for name in names:
         truncate(run_dir / name / "adapter" / "adapter_model.safetensors")
-    with pytest.raises(CheckpointError, match=r"no checkpoint of .* can be resumed: .*checkpoint_0000010.*checkpoint_0000005.*--restart"):
+    with pytest.raises(CheckpointError, match=r"no checkpoint of .* can be resumed: .*checkpoint_0000010.*checkpoint_0000005.*start the run over"):
         prepare_run_folder(cfg, cfg.run.storage_path, restart=False)
 
 
@@ -129,7 +129,7 @@ def test_an_unreadable_snapshot_is_rebuilt_from_the_checkpoint_folders(run, capl
 def test_an_unreadable_record_is_named(run):
     cfg, run_dir, _ = run
     truncate(run_dir / JOB_CONFIG_FILE)
-    with pytest.raises(CheckpointError, match=rf"{JOB_CONFIG_FILE} is unreadable .*--restart"):
+    with pytest.raises(CheckpointError, match=rf"{JOB_CONFIG_FILE} is unreadable .*start the run over"):
         prepare_run_folder(cfg, cfg.run.storage_path, restart=False)
 
 
@@ -143,7 +143,7 @@ def test_a_finished_run_is_not_resumed_unless_it_gets_more_steps(run):
         prepare_run_folder(cfg, cfg.run.storage_path, restart=False)
     message = str(info.value)
     for part in ("finished at 2026-11-23T00:00:00+00:00 after step 10", "nothing was trained or registered", "MLflow run abc",
-                 f"r1/{names[-1]}/adapter", "models:/r1/1", "new run.name", "--restart", "train.max_steps above 10"):
+                 f"r1/{names[-1]}/adapter", "models:/r1/1", "new run.name", "start it over", "train.max_steps above 10"):
         assert part in message, message
     longer = load_config(None, tiny_overrides(Path(cfg.run.storage_path).parent, **{"run.name": "r1", "train.max_steps": 20}))
     resume = prepare_run_folder(longer, cfg.run.storage_path, restart=False)

@@ -65,6 +65,14 @@ Status = Literal["training", "stopped", "failed", "finished"]
 class CheckpointError(UserError):
     """The run folder cannot be resumed as it is; the message says what to do."""
 
+    remedies = ("restart",)
+
+
+class DataChanged(CheckpointError):
+    """A relaunch's data files differ from those the run trained on."""
+
+    remedies = ("restart", "accept_changed_data")
+
 
 class RunFinished(CheckpointError):
     """The named run finished already; relaunching it would train nothing."""
@@ -161,8 +169,8 @@ class RunFolder:
         try:
             value = self.read_json(JOB_CONFIG_FILE)
         except _Unreadable as exc:
-            raise CheckpointError(f"{exc.where} is unreadable ({exc.reason}); it records which config this run trains. "
-                                  "Pass --restart to start the run over.") from None
+            raise CheckpointError(f"{exc.where} is unreadable ({exc.reason}); it records which config this run trains; "
+                                  "start the run over.") from None
         return None if value is None else RunRecord.from_json(value)
 
     def write_record(self, record: RunRecord) -> None:
@@ -372,7 +380,7 @@ def _finished_message(cfg: SFTConfig, folder: RunFolder, record: RunRecord) -> s
     return (
         f"run '{cfg.run.name}' finished at {record.ended_at} after step {record.step}: nothing was trained or registered. "
         f"Its record is {where}; its adapter is {adapter}{registered}. To train again choose a new run.name (or leave it "
-        f"empty for a new one), pass --restart to discard it and start over, or continue it with train.max_steps above "
+        f"empty for a new one), start it over (its checkpoints are discarded), or continue it with train.max_steps above "
         f"{record.step}."
     )
 
@@ -391,8 +399,8 @@ def _check_same_training(cfg: SFTConfig, folder: RunFolder, record: RunRecord, *
         diffs = ", ".join(f"{k}: {saved.get(k, default[k])!r} -> {now[k]!r}" for k in changed[:8])
         raise CheckpointError(
             f"run.name '{cfg.run.name}' already exists in {folder.uri} with a different training config ({diffs}). "
-            "A relaunch resumes that run, so it must train the same thing: choose a new run.name, or pass "
-            "--restart to discard the old run and its checkpoints."
+            "A relaunch resumes that run, so it must train the same thing: choose a new run.name, or start the "
+            "run over (its checkpoints are discarded)."
         )
 
 
@@ -411,10 +419,10 @@ def check_same_data(cfg: SFTConfig, folder: RunFolder, record: RunRecord, finger
     if accept:
         logger.warning("run '%s' resumes on changed data (%s), as accepted", cfg.run.name, diffs)
         return
-    raise CheckpointError(
+    raise DataChanged(
         f"run.name '{cfg.run.name}' in {folder.uri} was trained on other data than its files hold now ({diffs}; sha256 of "
         f"the files' names and bytes). A relaunch resumes that run, so it must train on the same data: restore the files, "
-        f"choose a new run.name, pass --restart to start the run over, or pass --accept-changed-data to resume on the new data."
+        f"choose a new run.name, start the run over, or resume it on the new data knowingly."
     )
 
 
@@ -434,7 +442,7 @@ def choose_checkpoint(folder: RunFolder, *, stage: int, world_size: int) -> str 
         names = _checkpoint_folders(folder)
         if not names:
             raise CheckpointError(f"{exc.where} is unreadable ({exc.reason}) and the run has no checkpoint folder to rebuild "
-                                  "it from. Pass --restart to start the run over.") from None
+                                  "it from; start the run over.") from None
     else:
         names = folder.checkpoint_names() if snapshot else []
     if not names:
@@ -452,7 +460,7 @@ def choose_checkpoint(folder: RunFolder, *, stage: int, world_size: int) -> str 
                 logger.warning("%s; resuming from %s instead", problem, name)
             _write_snapshot(folder, snapshot, good)
         return name
-    raise CheckpointError(f"no checkpoint of {folder.uri} can be resumed: {'; '.join(problems)}. Pass --restart to start over.")
+    raise CheckpointError(f"no checkpoint of {folder.uri} can be resumed: {'; '.join(problems)}; start the run over.")
 
 
 def _checkpoint_folders(folder: RunFolder) -> list[str]:

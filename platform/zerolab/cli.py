@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shlex
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 USER_ERROR = 2
@@ -17,31 +17,32 @@ INTERRUPTED = 130
 """Stopped by SIGINT/SIGTERM (128 + SIGINT, the shell convention)."""
 
 
-def user_errors() -> tuple[type[BaseException], ...]:
-    from zerolab.config import ConfigError
-    from zerolab.data import DataError
-    from zerolab.errors import UserError
-    from zerolab.memory import MemoryPreflightError
-    from zerolab.models import ModelLoadError
-
-    return UserError, ConfigError, DataError, ModelLoadError, MemoryPreflightError
+REMEDIES = {
+    "restart": ("--restart", "starts the run over, discarding its checkpoints"),
+    "force": ("--force", "launches anyway"),
+    "accept_changed_data": ("--accept-changed-data", "resumes the run on the changed data"),
+}
+"""The flags of ``jobs/sft.py`` for a user error's remedies (``zerolab.errors.Remedy``)."""
 
 
-def run_job(job: Callable[[], Any], *, command: Sequence[str] | None = None) -> tuple[int, str]:
+def run_job(job: Callable[[], Any], *, command: Sequence[str] | None = None, remedies: Collection[str] = ()) -> tuple[int, str]:
     """Run ``job``; return the exit code and what the job prints: its summary, or the error as
     one message without a traceback, credentials masked. SIGTERM stops it like Ctrl-C, at once
     outside training (after a record write in progress), exit 130. ``command`` (the job's argv) makes a
-    stopped run's message end with the exact command that resumes it."""
+    stopped run's message end with the exact command that resumes it; ``remedies``, the ones of
+    :data:`REMEDIES` the job offers, end a user error's message with their flags."""
     from ray.train import TrainingFailedError
 
+    from zerolab.errors import UserError, root_cause
     from zerolab.stop import DeadlineReached, Interrupted, signals_interrupt
     from zerolab.tracking import mask_text
 
     try:
         with signals_interrupt():
             result = job()
-    except user_errors() as exc:
-        return USER_ERROR, mask_text(f"\nerror: {exc}")
+    except UserError as exc:
+        flags = "".join(f"\n  {REMEDIES[r][0]} {REMEDIES[r][1]}" for r in exc.remedies if r in remedies)
+        return USER_ERROR, mask_text(f"\nerror: {exc}{flags}")
     except Interrupted as exc:
         code, word = (DEADLINE, "stopped") if isinstance(exc, DeadlineReached) else (INTERRUPTED, "interrupted")
         return code, mask_text(f"\n{word}: {exc}{resume_hint(command, exc.run_name)}")
@@ -60,15 +61,6 @@ def resume_hint(command: Sequence[str] | None, run_name: str | None) -> str:
     if f"run.name={run_name}" not in argv:
         argv += ["--set", f"run.name={run_name}"]
     return f"\nresume: {shlex.join(argv)}"
-
-
-def root_cause(exc: BaseException) -> str:
-    """The innermost worker error of a Ray Train failure, as one message."""
-    seen = exc
-    while seen.__cause__ is not None:
-        seen = seen.__cause__
-    text = str(seen).strip()
-    return text.splitlines()[-1] if text else type(seen).__name__
 
 
 def summary(result: Any) -> str:

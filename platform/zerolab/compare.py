@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from zerolab import tracking
+from zerolab.errors import UserError
 from zerolab.zero import ZERO_KEYS, Option, label_of
 
 KEY_PARAMS = ("adapter.method", "adapter.r", "deepspeed.stage", "deepspeed.offload_optimizer", "deepspeed.offload_param",
@@ -86,7 +87,7 @@ def labels(rows: list[RunRow]) -> list[str]:
     return run_labels([r.params for r in rows], [r.name for r in rows])
 
 
-class CompareError(ValueError):
+class CompareError(UserError, ValueError):
     """Nothing to compare: unknown experiment or parent run, or no runs in it."""
 
 

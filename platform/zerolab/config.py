@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 import yaml
 
+from zerolab.errors import UserError
+
 BUILTIN_TINY_MODEL = "builtin:tiny-qwen2"
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -30,7 +32,7 @@ TaskName = Literal["math_sum", "ner_json", "custom"]
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A user's configuration is invalid. ``problems`` holds one line per problem."""
 
     def __init__(self, problems: list[str]) -> None:

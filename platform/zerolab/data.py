@@ -35,6 +35,7 @@ import pyarrow.compute as pc
 
 from zerolab.batches import IGNORE_INDEX
 from zerolab.config import SFTConfig
+from zerolab.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ SUPPORTED_SUFFIXES = (".json", ".jsonl", ".parquet")
 _MAX_EXAMPLES = 20
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """The data cannot be used as given; the message is the report a user needs to fix it."""
 
 
@@ -725,7 +726,7 @@ def _bad_rows_message(key: str, report: SplitReport, cfg: SFTConfig, why: str) -
         lines.append(f"  ... and {report.rows_bad - len(report.bad_examples)} more")
     lines.append(
         "Fix or remove these rows, raise data.max_seq_length for rows that are too long, "
-        "or tolerate a share of bad rows with --set data.max_bad_fraction=0.05."
+        "or tolerate a share of bad rows with data.max_bad_fraction=0.05."
     )
     return "\n".join(lines)
 

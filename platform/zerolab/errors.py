@@ -6,10 +6,16 @@ from __future__ import annotations
 
 from typing import Literal
 
+Remedy = Literal["restart", "force", "accept_changed_data"]
+"""A way past a problem that a job offers on its command line (the job names the flag)."""
+
 
 class UserError(Exception):
     """A problem with the user's configuration, data, model, environment or run folder; the
-    message says what is wrong and how to fix it."""
+    message says what is wrong and how to fix it, in the library's words (config keys, files);
+    ``remedies`` names what a job may offer besides (``zerolab.cli.run_job`` adds the flags)."""
+
+    remedies: tuple[Remedy, ...] = ()
 
 
 class EnvironmentProblem(UserError):
@@ -28,3 +34,12 @@ class EvaluationError(UserError):
         super().__init__(message)
         self.input = input
         """The input the problem is about; None when it is about no single one."""
+
+
+def root_cause(exc: BaseException) -> str:
+    """The innermost error of a chain (a Ray Train failure's worker error), as one message."""
+    seen = exc
+    while seen.__cause__ is not None:
+        seen = seen.__cause__
+    text = str(seen).strip()
+    return text.splitlines()[-1] if text else type(seen).__name__

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from zerolab.config import AdapterSpec, ConfigError, SFTConfig, validate
+from zerolab.errors import UserError
 from zerolab.zero import OffloadMode, Option
 
 KIB, MIB, GIB = 1024, 1024**2, 1024**3
@@ -60,9 +61,11 @@ class MemoryEstimateError(ValueError):
     """The memory of this job cannot be estimated (for instance an unsupported architecture)."""
 
 
-class MemoryPreflightError(MemoryEstimateError):
+class MemoryPreflightError(UserError, MemoryEstimateError):
     """The job cannot fit the memory it would run on. ``estimate``, ``limits``, ``fit`` and
     ``fitting`` (the options that would fit, fastest first) are kept for callers."""
+
+    remedies = ("force",)
 
     def __init__(self, message: str, *, estimate: Estimate, limits: Limits, fit: Fit, fitting: list[PlanRow]) -> None:
         super().__init__(message)
@@ -1535,16 +1538,16 @@ def preflight(cfg: SFTConfig, model_config: Any, limits: Limits | None = None, *
         lines.append(f"  {by_config}.")
     if fitting:
         lines.append("  options that fit (fastest first): " + "; ".join(
-            f"--set {' '.join(r.option.overrides())} → {r.estimate.summary(limits)}" for r in fitting if r.estimate))
+            f"{' '.join(r.option.overrides())} → {r.estimate.summary(limits)}" for r in fitting if r.estimate))
     else:
         rec = recommend(cfg, model_config, limits, rows=rows, calibration=calibration, data=data)
         if rec is not None:
-            lines.append(f"  no stage or offload option fits as configured; this would: --set {' '.join(rec.overrides)} "
+            lines.append(f"  no stage or offload option fits as configured; this would: {' '.join(rec.overrides)} "
                          f"{' '.join(rec.option.overrides())} ({rec.reason})")
         else:
             lines.append("  nothing fits this machine, not even micro-batch 1 with gradient checkpointing: use more or larger GPUs, "
                          "shorten data.max_seq_length, or train an adapter instead of the full model.")
-    lines.append("  The table: python jobs/estimate.py with the same --config/--set. Pass --force to launch anyway.")
+    lines.append("  The table of every option: jobs/estimate.py with the same config.")
     raise MemoryPreflightError("\n".join(lines), estimate=est, limits=limits, fit=fit, fitting=fitting)
 
 

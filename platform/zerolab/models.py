@@ -22,6 +22,7 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from zerolab.config import BUILTIN_TINY_MODEL, ModelSpec
+from zerolab.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ _TINY_VERSION = "v2"
 _TINY_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(UserError, RuntimeError):
     """The model or tokenizer could not be loaded; the message says what to do."""
 
 

@@ -83,13 +83,13 @@ def check_resources(cfg: SFTConfig, launch: str) -> None:
     s = cfg.scaling
     if launch == "driver" and s.use_gpu and os.environ.get("DS_ACCELERATOR", "cuda") != "cuda":
         raise EnvironmentProblem(f"scaling.use_gpu=true, but this process has DS_ACCELERATOR={os.environ['DS_ACCELERATOR']}, "
-                                 "which DeepSpeed would train with; unset it, or set --set scaling.use_gpu=false to train on CPUs.")
+                                 "which DeepSpeed would train with; unset it, or set scaling.use_gpu=false to train on CPUs.")
     if not ray.is_initialized():  # one worker, in this process, on this machine (cluster.needs_ray)
         import torch
 
         if s.use_gpu and not torch.cuda.device_count():
             raise EnvironmentProblem("scaling.use_gpu=true but this machine has no CUDA GPU that this process can see; run on a "
-                                     "GPU machine, or set --set scaling.use_gpu=false to train on CPUs.")
+                                     "GPU machine, or set scaling.use_gpu=false to train on CPUs.")
         return
     resources = ray.cluster_resources()
     held = {k: v for k, v in reserved_resources().items() if k in ("CPU", "GPU") and v} if launch == "workers" else {}
@@ -103,7 +103,7 @@ def check_resources(cfg: SFTConfig, launch: str) -> None:
         if gpus == 0:
             raise EnvironmentProblem(
                 "scaling.use_gpu=true but the Ray cluster has no GPUs (no CUDA device was found, or the nodes "
-                "were started without them). Run on a GPU machine/cluster, or set --set scaling.use_gpu=false to "
+                "were started without them). Run on a GPU machine/cluster, or set scaling.use_gpu=false to "
                 "train on CPUs."
             )
         if gpus - held.get("GPU", 0) < s.num_workers:
@@ -183,7 +183,7 @@ def check_memory(cfg: SFTConfig, model_config: Any, *, force: bool = False, data
         except memory.MemoryPreflightError as exc:
             if not force:
                 raise
-            logger.warning("launching anyway (--force): %s", exc)
+            logger.warning("launching anyway, as asked: %s", exc)
             est = exc.estimate
     except memory.MemoryPreflightError:
         raise

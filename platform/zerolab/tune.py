@@ -44,6 +44,7 @@ from ray.tune import Callback
 
 from zerolab import tracking
 from zerolab.config import ConfigError, SFTConfig
+from zerolab.errors import UserError, root_cause
 from zerolab.zero import ZERO_KEYS, Option
 
 logger = logging.getLogger("zerolab.tune")
@@ -55,7 +56,7 @@ INTERRUPTED = "INTERRUPTED"
 """A trial's status when the sweep was stopped (SIGINT/SIGTERM) before it finished: ``--resume`` continues it."""
 
 
-class SweepError(ValueError):
+class SweepError(UserError, ValueError):
     """A sweep file or search space that cannot run; lists every problem."""
 
     def __init__(self, problems: list[str]) -> None:
@@ -583,7 +584,6 @@ def _label(config: dict[str, Any]) -> str:
 
 def _rows(grid: Any, sweep: Sweep, interrupted: Collection[str] = ()) -> list[TrialRow]:
     """One row per trial; those in ``interrupted`` (cut short by a stopped sweep) are INTERRUPTED."""
-    from zerolab.cli import root_cause
 
     rows = []
     for result in grid:

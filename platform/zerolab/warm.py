@@ -201,7 +201,6 @@ class WarmTrainer:
     def run(self, cfg: SFTConfig, kwargs: dict[str, Any], cwd: str, env: dict[str, str]) -> Iterator[tuple[str, Any]]:
         """``run_sft`` on a thread, in the job's working directory and environment; yields
         ("log", record attributes) as the job's log records come, then ("result", RunResult) or ("error", exc)."""
-        from zerolab.cli import user_errors
         from zerolab.run import run_sft
         from zerolab.stop import Interrupted
 
@@ -235,7 +234,7 @@ class WarmTrainer:
             if "error" in outcome:
                 exc = outcome["error"]
                 # A user error or a stop leaves the process as it was; anything else may not have.
-                self.leave = not isinstance(exc, (*user_errors(), Interrupted))
+                self.leave = not isinstance(exc, (UserError, Interrupted))
                 yield "error", _portable(exc)
             else:
                 yield "result", outcome["result"]
