@@ -35,21 +35,21 @@ def main(argv: list[str] | None = None) -> int:
 
     from zerolab import tune
     from zerolab.cli import INTERRUPTED, USER_ERROR
-    from zerolab.config import apply_overrides, load_config, load_yaml
+    from zerolab.config import load_config
     from zerolab.errors import UserError
+    from zerolab.sweep import DEFAULT_SWEEP, base_config, load_definition, load_sweep, parse_sweep, sweep_path
     from zerolab.tracking import mask_text
 
     command = sys.argv if argv is None else ["jobs/tune.py", *argv]
     base, sweep = None, None
     try:
-        base = apply_overrides(load_yaml(args.config) if args.config else {}, args.set)
-        cfg = load_config(args.config, args.set)
+        base = load_config(args.config, args.set)
         if args.resume:
-            base, sweep = tune.load_definition(tune.sweep_path(cfg, args.resume))
+            base, sweep = load_definition(sweep_path(base, args.resume))
         elif args.space:
-            sweep = tune.load_sweep(args.space, set(cfg.flat()))
+            sweep = load_sweep(args.space, set(base.flat()))
         else:
-            sweep = tune.parse_sweep(tune.DEFAULT_SWEEP, set(cfg.flat()))
+            sweep = parse_sweep(DEFAULT_SWEEP, set(base.flat()))
         rows = tune.run_sweep(base, sweep, resume=bool(args.resume), out_dir=args.out)
     except UserError as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print("\n" + text_table(*tune.results_table(rows, sweep)))
     print(f"\nwritten to {tune.results_dir(sweep, args.out)}/: results.csv, results.md and the chart runs.png")
-    print(f"per-trial curves and HParams: tensorboard --logdir {mask_text(tune.sweep_path(tune.base_config(base, sweep), sweep))}")
+    print(f"per-trial curves and HParams: tensorboard --logdir {mask_text(sweep_path(base_config(base, sweep), sweep))}")
     failed = [r for r in rows if r.status == "ERROR"]
     print(f"\n{len(rows)} trials: " + ", ".join(f"{n} {s.lower()}" for s in ("FINISHED", "STOPPED", tune.INTERRUPTED, "SKIPPED", "ERROR")
                                               if (n := sum(r.status == s for r in rows))))

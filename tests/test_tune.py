@@ -21,7 +21,8 @@ import yaml
 
 from conftest import REPO, tiny_overrides
 from zerolab import tune
-from zerolab.config import ConfigError, SFTConfig, apply_overrides
+from zerolab.config import ConfigError, SFTConfig, load_config
+from zerolab.sweep import SweepError, base_config, parse_sweep, trial_config, validate_space
 
 KEYS = set(SFTConfig().flat())
 
@@ -29,8 +30,8 @@ KEYS = set(SFTConfig().flat())
 def test_sweep_file_problems_are_listed_together():
     raw = {"nme": "x", "search": "bayes", "space": {"adapter.rank": {"grid": [8]}, "train.lr": {"loguniform": [0, 1e-3]},
                                                    "deepspeed.zero": {"grid": ["4"]}, "adapter.r": [8, 16]}}
-    with pytest.raises(tune.SweepError) as err:
-        tune.parse_sweep(raw, KEYS)
+    with pytest.raises(SweepError) as err:
+        parse_sweep(raw, KEYS)
     text = str(err.value)
     assert "nme: unknown sweep key" in text
     assert "search: 'bayes' is not one of grid, random, optuna" in text
@@ -42,9 +43,9 @@ def test_sweep_file_problems_are_listed_together():
 
 
 def test_optuna_takes_sampled_dimensions_and_builds_its_searcher():
-    with pytest.raises(tune.SweepError, match="optuna samples its own points"):
-        tune.parse_sweep({"search": "optuna", "space": {"adapter.r": {"grid": [8, 16]}}}, KEYS)
-    sweep = tune.parse_sweep({"search": "optuna", "metric": "eval/loss", "num_samples": 3,
+    with pytest.raises(SweepError, match="optuna samples its own points"):
+        parse_sweep({"search": "optuna", "space": {"adapter.r": {"grid": [8, 16]}}}, KEYS)
+    sweep = parse_sweep({"search": "optuna", "metric": "eval/loss", "num_samples": 3,
                               "space": {"adapter.r": {"choice": [8, 16]}, "train.lr": {"loguniform": [1e-4, 1e-3]}}}, KEYS)
     from ray.tune.search.optuna import OptunaSearch
 
@@ -53,35 +54,32 @@ def test_optuna_takes_sampled_dimensions_and_builds_its_searcher():
 
 
 def test_trial_config_maps_zero_options_and_keeps_the_global_batch():
-    sweep = tune.parse_sweep({"name": "s", "batch": "keep_global", "set": {"train.grad_accum_steps": 2},
+    sweep = parse_sweep({"name": "s", "batch": "keep_global", "set": {"train.grad_accum_steps": 2},
                               "space": {"deepspeed.zero": {"grid": ["3+all"]}, "train.micro_batch_size": {"grid": [4, 32]}}}, KEYS)
-    base = {"train": {"micro_batch_size": 16}, "run": {"storage_path": "/tmp/x"}}
-    base = tune.base_config(base, sweep)
-    cfg = tune.trial_config(base, sweep, {"deepspeed.zero": "3+all", "train.micro_batch_size": 4}, "s-t1")
+    base = base_config(SFTConfig.from_dict({"train": {"micro_batch_size": 16}, "run": {"storage_path": "/tmp/x"}}), sweep)
+    cfg = trial_config(base, sweep, {"deepspeed.zero": "3+all", "train.micro_batch_size": 4}, "s-t1")
     assert (cfg.deepspeed.stage, cfg.deepspeed.offload_optimizer, cfg.deepspeed.offload_param) == (3, True, True)
     assert (cfg.train.micro_batch_size, cfg.train.grad_accum_steps) == (4, 8)  # 16 × 2 = 4 × 8
     assert cfg.run.name == "s-t1" and cfg.run.storage_path == "/tmp/x/s/trial_runs"
     with pytest.raises(ConfigError, match="keep_global needs it to divide"):
-        tune.trial_config(base, sweep, {"deepspeed.zero": "3+all", "train.micro_batch_size": 24}, "s-t2")
+        trial_config(base, sweep, {"deepspeed.zero": "3+all", "train.micro_batch_size": 24}, "s-t2")
 
 
 def test_a_trials_config_is_the_single_jobs_config_for_the_same_overrides(tmp_path):
-    from zerolab.config import load_config
-
     base = {"train": {"micro_batch_size": 8, "lr": 2e-4}, "run": {"storage_path": str(tmp_path)}}
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
-    sweep = tune.parse_sweep({"name": "s", "set": {"train.max_steps": 7},
+    sweep = parse_sweep({"name": "s", "set": {"train.max_steps": 7},
                               "space": {"deepspeed.zero": {"grid": ["2+optimizer"]}, "adapter.r": {"grid": [32]}}}, KEYS)
-    trial = tune.trial_config(tune.base_config(base, sweep), sweep, {"deepspeed.zero": "2+optimizer", "adapter.r": 32}, "s-t1")
+    trial = trial_config(base_config(SFTConfig.from_dict(base), sweep), sweep, {"deepspeed.zero": "2+optimizer", "adapter.r": 32}, "s-t1")
     single = load_config(tmp_path / "base.yaml", ["train.max_steps=7", "deepspeed.stage=2", "deepspeed.offload_optimizer=true",
                                                   "adapter.r=32", "run.name=s-t1", f"run.storage_path={tmp_path}/s/trial_runs"])
     assert trial == single
 
 
 def test_a_space_with_impossible_combinations_fails_before_any_trial():
-    sweep = tune.parse_sweep({"space": {"deepspeed.stage": {"grid": [0, 2]}, "deepspeed.offload_optimizer": {"grid": [True]}}}, KEYS)
-    with pytest.raises(tune.SweepError) as err:
-        tune.validate_space(tune.base_config({}, sweep), sweep)
+    sweep = parse_sweep({"space": {"deepspeed.stage": {"grid": [0, 2]}, "deepspeed.offload_optimizer": {"grid": [True]}}}, KEYS)
+    with pytest.raises(SweepError) as err:
+        validate_space(base_config(SFTConfig(), sweep), sweep)
     assert len(err.value.problems) == 1
     assert "trial {deepspeed.stage=0, deepspeed.offload_optimizer=True}: deepspeed.offload_optimizer: ZeRO stage 0" in str(err.value)
 
@@ -94,17 +92,17 @@ def test_trials_on_the_sweeps_data_take_it_without_reading_a_file(tmp_path, tiny
 
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps({"instruction": f"add {k} and {k}", "output": str(2 * k)}) + "\n" for k in range(40)))
-    sweep = tune.parse_sweep({"name": "s", "space": {"adapter.r": {"grid": [4, 8]}}}, KEYS)
-    base = tune.base_config(apply_overrides({}, tiny_overrides(tmp_path, **{"data.train_path": path, "data.num_eval_rows": 0})), sweep)
+    sweep = parse_sweep({"name": "s", "space": {"adapter.r": {"grid": [4, 8]}}}, KEYS)
+    base = base_config(load_config(None, tiny_overrides(tmp_path, **{"data.train_path": path, "data.num_eval_rows": 0})), sweep)
     data = tune.SweepData.prepare(base)
     path.unlink()
 
-    trial = tune.trial_config(base, sweep, {"adapter.r": 8, "data.packing": True}, "s-t1")
+    trial = trial_config(base, sweep, {"adapter.r": 8, "data.packing": True}, "s-t1")
     splits = prepare_data(trial, tiny_model_path, data.for_trial(trial))
     assert splits["train"].report.source == "sweep" and "prepared once for the sweep" in splits["train"].report.summary()
     assert splits["train"].report.fingerprint == data.splits["train"].report.fingerprint and splits["train"].num_rows == 40
     assert data.splits["train"].report.source in ("driver", "cache")  # the sweep's own copy is left as it was
-    other = tune.trial_config(base, sweep, {"adapter.r": 8, "data.max_seq_length": 64}, "s-t2")
+    other = trial_config(base, sweep, {"adapter.r": 8, "data.max_seq_length": 64}, "s-t2")
     assert data.for_trial(other) is None
     with pytest.raises(DataError, match="no such file"):
         prepare_data(other, tiny_model_path, data.for_trial(other))
@@ -125,9 +123,7 @@ def base_job(tmp_path, **extra):
     """A 1-worker tiny job, so two trials share the 2-CPU machine."""
     values = {"scaling.num_workers": 1, "data.num_train_rows": 48, "data.num_eval_rows": 0, "train.micro_batch_size": 4,
               "train.max_steps": 2, "train.log_every_n_steps": 1, **extra}
-    raw = apply_overrides({}, tiny_overrides(tmp_path, **values))
-    raw["run"].pop("name")
-    return raw
+    return load_config(None, [o for o in tiny_overrides(tmp_path, **values) if not o.startswith("run.name=")])
 
 
 def child_runs(uri, parent_name):
@@ -143,7 +139,7 @@ def child_runs(uri, parent_name):
 @pytest.mark.slow
 def test_grid_over_stage_rank_and_batch_gives_one_child_run_per_trial(tmp_path, tiny_model_path):
     base = base_job(tmp_path)
-    sweep = tune.parse_sweep({"name": "grid", "metric": "perf/tokens_per_s", "mode": "max",
+    sweep = parse_sweep({"name": "grid", "metric": "perf/tokens_per_s", "mode": "max",
                               "space": {"deepspeed.zero": {"grid": ["0", "2"]}, "adapter.r": {"grid": [4, 8]},
                                         "train.micro_batch_size": {"grid": [2, 4]}}}, KEYS)
     rows = tune.run_sweep(base, sweep, out_dir=tmp_path / "out")
@@ -179,7 +175,7 @@ def test_failing_and_infeasible_trials_are_reported_and_the_sweep_goes_on(tmp_pa
     config.update(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8)
     (huge / "config.json").write_text(json.dumps(config))
     base = base_job(tmp_path)
-    sweep = tune.parse_sweep({"name": "mixed", "space": {
+    sweep = parse_sweep({"name": "mixed", "space": {
         "model.name_or_path": {"grid": ["builtin:tiny-qwen2", str(huge), str(tmp_path / "no-such-model")]}}}, KEYS)
     rows = tune.run_sweep(base, sweep, out_dir=tmp_path / "out")
 
@@ -199,7 +195,7 @@ def test_failing_and_infeasible_trials_are_reported_and_the_sweep_goes_on(tmp_pa
 @pytest.mark.slow
 def test_asha_stops_poor_trials_early(tmp_path, tiny_model_path):
     base = base_job(tmp_path, **{"train.max_steps": 8, "train.lr": 3e-3})
-    sweep = tune.parse_sweep({"name": "asha", "metric": "train/loss", "mode": "min", "scheduler": "asha", "grace_period": 2,
+    sweep = parse_sweep({"name": "asha", "metric": "train/loss", "mode": "min", "scheduler": "asha", "grace_period": 2,
                               "max_concurrent_trials": 1,
                               "space": {"train.lr": {"grid": [3e-3, 1e-7, 1e-7]}}}, KEYS)
     rows = tune.run_sweep(base, sweep, out_dir=tmp_path / "out")
@@ -252,7 +248,7 @@ def test_killed_sweep_resumes_without_repeating_finished_trials(tmp_path, tiny_m
 def test_the_space_is_checked_on_draws_from_tunes_own_domains():
     """Validation draws from the Tune domains the search uses (randint's exclusive upper bound,
     loguniform's range), and every categorical value is checked even where few points are drawn."""
-    sweep = tune.parse_sweep({"search": "random", "num_samples": 4,
+    sweep = parse_sweep({"search": "random", "num_samples": 4,
                               "space": {"train.micro_batch_size": {"randint": [1, 3]}, "train.lr": {"loguniform": [1e-5, 1e-3]},
                                         "deepspeed.zero": {"choice": ["0", "2", "3", "3+all"]}}}, KEYS)
     points = sweep.samples(2)
