@@ -58,7 +58,7 @@ def connect_ray(cfg: SFTConfig, *, log_to_driver: bool = True, importing: Sequen
     ``importing``: modules to import on another thread meanwhile (:func:`job_imports`). Ray's start
     is mostly waiting for the processes it launches, the imports are the interpreter's work, so the
     two overlap (on an H100 host 21.9 s side by side against 25-27 s one after the other:
-    ``bench/startup_probe.py overlap``). Ray itself starts on the calling thread: the processes it
+    a probe's ``overlap`` measurement, docs/benchmark.md). Ray itself starts on the calling thread: the processes it
     starts die with the thread that started them."""
     import ray
 
