@@ -6,7 +6,7 @@ parent run); a ranked results table, CSV/Markdown and a chart at the end.
     python jobs/tune.py --space jobs/configs/stage_sweep.yaml --set scaling.num_workers=1
     python jobs/tune.py --resume stage-sweep                             # continue an interrupted sweep
 
-The sweep file's format is in zerolab/tune.py and the README. Exit codes: 0 the sweep ran (failed
+The sweep file's format is in zerolab/tune.py and docs/sweeps.md. Exit codes: 0 the sweep ran (failed
 trials are reported in the table), 2 a bad sweep file or job config (nothing ran), 130 interrupted
 by SIGINT or SIGTERM (the job prints the command that resumes it).
 """

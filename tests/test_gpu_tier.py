@@ -90,7 +90,7 @@ for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         out[name] = model(input_ids=probe, use_cache=False).logits.float().cpu()
 torch.save(out, out_file)
 """
-"""What a user runs to load a result (README), in a process of its own."""
+"""What a user runs to load a result (docs/running.md, "Using the result"), in a process of its own."""
 
 
 @pytest.fixture(scope="module")

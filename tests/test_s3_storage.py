@@ -1,7 +1,7 @@
 """``run.storage_path=s3://...`` against a real S3-compatible server (moto's, on loopback): the run
 folder and its checkpoints land in the bucket, a killed worker resumes from them, the pre-resume
 checks read them there, the adapter reaches an MLflow artifact store on the same server, and no
-credential is recorded. The settings are the ones a user exports (README, "S3 and GCS storage")."""
+credential is recorded. The settings are the ones a user exports (docs/running.md, "S3 and GCS storage")."""
 
 from __future__ import annotations
 

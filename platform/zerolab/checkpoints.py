@@ -276,7 +276,7 @@ def check_storage(storage_path: str) -> None:
         fs, root = pafs.FileSystem.from_uri(storage_path)
     except (OSError, ValueError, pa.ArrowException) as exc:
         raise StorageUnavailable(f"run.storage_path: {shown} is not a storage location zerolab can open ({_reason(exc)}); "
-                                 f"give a local folder or an s3://, gs:// or hdfs:// URI (see README, 'S3 and GCS storage')") from None
+                                 f"give a local folder or an s3://, gs:// or hdfs:// URI (see docs/running.md, 'S3 and GCS storage')") from None
     probe = f"{root.rstrip('/')}/.zerolab-write-check-{socket.gethostname()}-{os.getpid()}"
     try:
         info = fs.get_file_info(root)

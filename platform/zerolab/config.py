@@ -576,7 +576,7 @@ def _to_plain(value: Any) -> Any:
 
 
 def reference_markdown() -> str:
-    """The README's configuration reference table (regenerate with
+    """The configuration reference table of docs/configuration.md (regenerate with
     ``python -c "from zerolab.config import reference_markdown as r; print(r())"``)."""
     lines = ["| key | default | meaning |", "|---|---|---|"]
     for key, default, doc in reference_rows():
