@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import os
 import shutil
@@ -54,7 +55,9 @@ SHAPES = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B", "qwen2.5-7b": "Qwen/Qwen2.5-7B", 
 COLUMNS = ["case", "device", "status", "seconds", "pred_gpu_alloc_gib", "meas_gpu_alloc_gib", "err_gpu_alloc_pct",
            "pred_gpu_reserved_gib", "meas_gpu_reserved_gib", "err_gpu_reserved_pct", "pred_host_workers_gib",
            "meas_host_workers_gib", "err_host_pct", "pred_node_total_gib", "meas_node_used_gib", "workers",
-           "base_framework_gib", "base_host_process_gib", "shape", "overrides"]
+           "base_framework_gib", "base_host_process_gib", "shape", "overrides", "host_imports_gib"]
+"""``host_imports_gib``: on CPU rows, what the workers' imports held where the row was measured
+(``zerolab.memory.worker_imports_rss``), so that predicting the row again elsewhere takes that machine's."""
 
 
 @dataclass(frozen=True)
@@ -390,12 +393,14 @@ def predict_overrides(overrides: list[str], shape: str, calibration: Any = None,
     cfg = load_config(None, estimate_overrides(overrides))
     est = estimate(cfg, shape_model_config(shape), calibration=calibration or DEFAULT_CALIBRATION, data=data)
     gpu, workers = cfg.scaling.use_gpu, cfg.world_size()
+    imports = {} if gpu else {"host_imports_gib": est.host_worker["worker process"] / GIB - est.calibration.host_process_cpu_bytes / GIB}
     host = est.host_workers_before_save(workers)
     return {"pred_gpu_alloc_gib": est.device_peak / GIB if gpu else 0.0,
             "pred_gpu_reserved_gib": est.device_reserved / GIB if gpu else 0.0,
             "pred_host_workers_gib": host / GIB, "pred_node_total_gib": est.host_total(workers) / GIB,
             "base_framework_gib": est.calibration.framework_device_bytes / GIB if gpu else 0.0,
-            "base_host_process_gib": (est.calibration.host_process_gpu_bytes if gpu else est.calibration.host_process_cpu_bytes) / GIB}
+            "base_host_process_gib": (est.calibration.host_process_gpu_bytes if gpu else est.calibration.host_process_cpu_bytes) / GIB,
+            **imports}
 
 
 def recompute(row: dict[str, str]) -> dict[str, str]:
@@ -403,9 +408,18 @@ def recompute(row: dict[str, str]) -> dict[str, str]:
     if not row.get("overrides") or row.get("status") != "ok":
         return row
     out = dict(row)
-    out.update({k: round(v, 3) for k, v in predict_overrides(json.loads(row["overrides"]), row["shape"]).items()})
+    out.update({k: round(v, 3) for k, v in predict_overrides(json.loads(row["overrides"]), row["shape"], _measured_here(row)).items()})
     out.update(error_pct(out))
     return out
+
+
+def _measured_here(row: dict[str, str]) -> Any:
+    """The current Calibration with a CPU row's own measured imports (None: this machine's)."""
+    from zerolab.memory import DEFAULT_CALIBRATION, GIB
+
+    if not row.get("host_imports_gib"):
+        return None
+    return dataclasses.replace(DEFAULT_CALIBRATION, host_imports_cpu_bytes=int(float(row["host_imports_gib"]) * GIB))
 
 
 def recompute_held_out(row: dict[str, str]) -> dict[str, str]:
@@ -425,7 +439,8 @@ def recompute_held_out(row: dict[str, str]) -> dict[str, str]:
     out_dir = cache_dir() / "calibration" / "recompute"
     data = job_shard_lengths(load_config(None, case.overrides(str(tokenizer_only), out_dir)))
     out = dict(row)
-    out.update({k: round(v, 3) for k, v in predict_overrides(json.loads(row["overrides"]), row["shape"], data=data).items()})
+    out.update({k: round(v, 3) for k, v in predict_overrides(json.loads(row["overrides"]), row["shape"], _measured_here(row),
+                                                               data=data).items()})
     out.update(error_pct(out))
     return out
 
@@ -544,7 +559,8 @@ def fit_calibration(rows: list[dict[str, str]]) -> dict[str, float]:
     worker and the share of the checkpoint resident while ZeRO 0-2 load it
     (``host_process_gpu_bytes``, ``host_load_factor_gpu``) are fitted together by least squares
     over the GPU rows at ZeRO 0-2 without offload, where a prediction is linear in both; on CPU the
-    baseline is the current value plus the median residual per worker."""
+    rest of a worker's baseline beyond its measured imports (``host_process_cpu_bytes``) is the
+    current value plus the median residual per worker."""
     from zerolab.memory import DEFAULT_CALIBRATION
 
     ok = [r for r in rows if r.get("status") == "ok"]
@@ -581,8 +597,6 @@ def _param_offload(row: dict[str, str]) -> bool:
 
 def _fit_gpu_host(rows: list[dict[str, str]]) -> dict[str, float]:
     """Least squares for (baseline per worker, load factor) on ZeRO 0-2 rows without offload."""
-    import dataclasses
-
     from zerolab.memory import DEFAULT_CALIBRATION, GIB
 
     def overrides_of(r: dict[str, str]) -> list[str]:

@@ -10,7 +10,9 @@ network) and starts nothing. Without --gpus/--gpu-mem/--host-mem it checks again
 By default every micro-batch is taken at its worst case by config (micro_batch_size ×
 data.max_seq_length tokens); --data tokenizes the job's data here (its files, or the task's
 generated rows; no Ray) and estimates the largest micro-batch the workers' shards will make, as
-the preflight of `jobs/sft.py` does, showing the worst case by config next to it. With the
+the preflight of `jobs/sft.py` does, showing the worst case by config next to it. A config with
+data.max_seq_length: auto takes its length from the data, so the data is tokenized for it in any
+case (the worst case by config is then micro_batch_size × the resolved length). With the
 recommended option it also names the largest micro-batch that fits (most tokens per forward pass:
 what ZeRO-3 needs most, its gathers cost per micro-batch, not per token).
 Exit codes: 0 a config fits (the job's own option or another one), 1 nothing fits, 2 bad
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from zerolab.cli import USER_ERROR
     from zerolab.config import ConfigError, load_config
-    from zerolab.data import DataError
+    from zerolab.data import DataError, resolve_max_seq_length
     from zerolab.memory import (
         MemoryEstimateError,
         Option,
@@ -60,11 +62,15 @@ def main(argv: list[str] | None = None) -> int:
         limits = _limits(args)
         options = _options(args.stages, args.offload)
         model_config = load_model_config(cfg)
-        data = None
-        if args.data:
-            from zerolab.plan import job_shard_lengths
+        data = splits = None
+        auto = cfg.data.max_seq_length == "auto"
+        if args.data or auto:
+            from zerolab.models import resolve_model_path
+            from zerolab.plan import prepare_data, shard_lengths
 
-            data = job_shard_lengths(cfg)
+            splits = prepare_data(cfg, resolve_model_path(cfg.model.name_or_path))
+            cfg = resolve_max_seq_length(cfg, splits)
+            data = shard_lengths(splits, cfg.world_size()) if args.data else None
         rows = plan_options(cfg, model_config, limits, options=options, data=data)
         rec = recommend(cfg, model_config, limits, rows=rows, data=data)
     except (ConfigError, ModelLoadError, MemoryEstimateError, DataError) as exc:
@@ -82,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model      {cfg.model.name_or_path}: {est.shape.describe()}")
     print(f"training   {cfg.adapter.method} ({est.trainable_params:,} trainable), {est.precision}, {est.batch.describe()}, "
           f"{'gradient checkpointing, ' if est.gradient_checkpointing else ''}{est.world_size} {'GPU' if est.use_gpu else 'CPU'} worker(s)")
+    if auto:
+        print(f"length     data.max_seq_length: auto -> {cfg.data.max_seq_length} (the data's longest row, rounded up)")
     print(f"machine    {limits.describe()}")
     print()
     print(format_table(rows, limits))
@@ -102,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"recommendation: {rec.reason}")
     print(f"  run it with: --set {' --set '.join(overrides)}")
     chosen = load_config(args.config, [*args.set, *rec.overrides])
+    if splits is not None:
+        chosen = resolve_max_seq_length(chosen, splits)
     batch = largest_micro_batch(chosen, model_config, limits, rec.option, data=data)
     if batch is not None:
         print(f"most tokens per micro-batch with {rec.option.label}: --set train.micro_batch_size={batch} "

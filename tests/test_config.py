@@ -121,6 +121,16 @@ def test_cpu_only_settings():
     assert {p.split(":")[0] for p in found} == {"train.precision", "model.attn_implementation"}
 
 
+def test_max_seq_length_is_a_number_of_tokens_or_auto():
+    cfg = load_config(None, ["data.max_seq_length=auto"])
+    assert cfg.data.max_seq_length == "auto" and SFTConfig.from_dict(cfg.to_dict()) == cfg
+    assert load_config(None, ["data.max_seq_length=512"]).data.max_seq_length == 512
+    assert problems(["data.max_seq_length=long"]) == ["data.max_seq_length: 'long' is not an integer or 'auto'; use an integer or 'auto'"]
+    assert problems(["data.max_seq_length=4"]) == [
+        "data.max_seq_length: 4 is too short for a chat-formatted sample; use at least 8, or auto"]
+    assert problems(["data.max_seq_length=1.5"])[0].startswith("data.max_seq_length: 1.5 is not an integer or 'auto'")
+
+
 def test_unknown_section_and_bad_override_syntax():
     assert problems(["trainer.lr=1"])[0].startswith("trainer: unknown key")
     with pytest.raises(ConfigError, match="expected section.key=value"):

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import rows_of, tiny_overrides
+from conftest import REPO, rows_of, tiny_overrides
 from zerolab import data, models
 from zerolab.batches import IGNORE_INDEX, PACKER, MicroBatches, epoch_order, pack_rows
 from zerolab.config import ModelSpec, load_config
@@ -267,6 +267,59 @@ def test_one_changed_byte_of_data_tokenizer_or_max_length_prepares_again(tokeniz
     assert again(ner_config(path, "data.max_seq_length=256"))[0] is False
     assert again(ner_config(path, "data.system_prompt=Answer."))[0] is False
     assert again(ner_config(path, "data.max_seq_length=256"))[0] is True
+
+
+def test_a_recipe_takes_its_length_from_the_data(tokenized_cache, tiny_model_path):
+    """The shipped 7B math recipe with a model folder that carries the built-in tokenizer: most of
+    its rows are 66-69 tokens, over the fixed 64 the recipe had. With ``auto`` every row is
+    prepared and the length resolves to the longest, rounded up; a fixed 64 still reports them."""
+    cfg = load_config(REPO / "jobs" / "configs" / "math_qwen2.5_7b_lora.yaml", [f"model.name_or_path={tiny_model_path}"])
+    assert cfg.data.max_seq_length == "auto"
+    paths = data.dataset_paths(cfg)
+    splits = {name: prepare_split(name, path, cfg, tiny_model_path) for name, path in paths.items()}
+    assert {name: (s.report.rows_used, s.report.rows_bad) for name, s in splits.items()} == {"train": (1798, 0), "eval": (200, 0)}
+    longest = max(s.report.max_tokens for s in splits.values())
+    assert 64 < longest <= 128 and splits["train"].report.length_limit == 2048  # the tiny model's max_position_embeddings
+    assert data.resolve_max_seq_length(cfg, splits).data.max_seq_length == 128
+    fixed = cfg.with_values({"data.max_seq_length": 96})
+    assert data.resolve_max_seq_length(fixed, splits) is fixed
+    with pytest.raises(DataError, match=r"too long: 6\d tokens > data.max_seq_length=64") as err:
+        prepare_split("train", paths["train"], cfg.with_values({"data.max_seq_length": 64}), tiny_model_path)
+    assert "raise data.max_seq_length (or set it to auto)" in str(err.value)
+
+
+def test_auto_length_follows_the_rows_the_model_takes_and_keys_the_cache(tokenized_cache, tmp_path, tiny_model_path):
+    """With ``auto`` a split keeps every row up to the model's ``max_position_embeddings``; that limit
+    is part of the cache key, so when it changes (no byte of data or tokenizer does) the rows are
+    prepared again and the length resolves anew; rows beyond it are reported, named by the limit."""
+    path = ner_file(tmp_path / "train.jsonl")
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps({"text": "张伟和李娜在北京的天安门广场见面" * 3, "label": {"name": ["张伟", "李娜"]}}, ensure_ascii=False) + "\n")
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model)
+    cfg = ner_config(path, "data.max_seq_length=auto", "data.max_bad_fraction=0.5")
+
+    def prepared(max_positions: int | None = None) -> tuple[PreparedSplit, int]:
+        if max_positions is not None:
+            config = json.loads((model / "config.json").read_text())
+            (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": max_positions}))
+        split = prepare_split("train", str(path), cfg, str(model))
+        return split, data.resolve_max_seq_length(cfg, {"train": split}).data.max_seq_length
+
+    first, length = prepared()
+    longest, second = sorted(first.lengths.tolist())[-1], sorted(first.lengths.tolist())[-2]
+    assert first.report.rows_bad == 0 and longest > second and length == -(-longest // 64) * 64
+    again, again_length = prepared()
+    assert again.from_cache and again.report.cache_key == first.report.cache_key and again_length == length
+    fixed = prepare_split("train", str(path), ner_config(path, f"data.max_seq_length={length}"), str(model))
+    assert fixed.report.cache_key != first.report.cache_key  # the same rows, but a fixed length is another input
+
+    capped, capped_length = prepared(max_positions=longest)  # the model takes the longest row and no more
+    assert not capped.from_cache and capped.report.cache_key != first.report.cache_key
+    assert capped_length == longest and capped.report.rows_bad == 0
+    short, short_length = prepared(max_positions=longest - 1)
+    assert short.report.rows_bad == 1 and short_length == min(-(-second // 64) * 64, longest - 1)
+    assert short.report.bad_examples == [f"train.jsonl:7: too long: {longest} tokens > max_position_embeddings={longest - 1}"]
 
 
 def test_an_empty_file_is_named_with_the_fix(tokenized_cache, tmp_path, tiny_model_path):

@@ -86,6 +86,21 @@ def test_a_jobs_plan_resolves_model_data_and_deepspeed_once(ray_cluster, tmp_pat
     assert {k: r.fingerprint for k, r in second.reports.items()} == {k: r.fingerprint for k, r in first.reports.items()}
 
 
+def test_a_plan_resolves_an_auto_length_once(ray_cluster, tmp_path, tiny_model_path):
+    """``data.max_seq_length: auto`` is resolved on the driver with the data: the plan's config (the
+    workers', the estimate's) holds the length, the run's params the configured value beside it."""
+    from zerolab.config import load_config
+    from zerolab.plan import plan_job
+    from zerolab.run import derived_params
+
+    cfg = load_config(None, tiny_overrides(tmp_path, **{"train.max_steps": 2, "data.max_seq_length": "auto", "data.packing": "true"}))
+    plan = plan_job(cfg)
+    longest = max(r.max_tokens for r in plan.reports.values())
+    assert plan.configured.data.max_seq_length == "auto" and plan.cfg.data.max_seq_length == -(-longest // 64) * 64
+    assert plan.memory.estimate.data_aware and plan.memory.estimate.seq_len <= plan.cfg.data.max_seq_length
+    assert derived_params(plan)["derived.max_seq_length"] == plan.cfg.data.max_seq_length
+
+
 def test_where_one_worker_trains_is_resolved_against_the_cluster(ray_cluster):
     """``scaling.launch``: ``auto`` trains one worker in the job's process on the Ray instance the job
     started, and in a worker group when the job has several workers or retries; ``driver`` on a node

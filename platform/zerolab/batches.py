@@ -58,6 +58,26 @@ def epoch_order(num_rows: int, seed: int, epoch: int) -> list[int]:
     return np.random.default_rng([seed, epoch]).permutation(num_rows).tolist()
 
 
+AUTO_LENGTH_MULTIPLE = 64
+"""``data.max_seq_length: auto`` rounds the data's longest row up to a multiple of this."""
+
+
+def auto_max_seq_length(longest_row: int, max_positions: int | None) -> int:
+    """What ``data.max_seq_length: auto`` resolves to for data whose longest row (over every split)
+    has ``longest_row`` tokens: that, rounded up to a multiple of :data:`AUTO_LENGTH_MULTIPLE`, at
+    most the model's ``max_position_embeddings`` (``max_positions``; None: no limit).
+
+    Padded micro-batches are as wide as their own longest row, so there the length is only the
+    bound of the worst case by config. Packed sequences hold up to this many tokens: the longest
+    row always fits one (a row longer than the length would be a sequence of its own, wider than
+    the estimate's bound), and the rounding leaves room for short rows beside it. Rounding also
+    keeps the length when an edit of the data moves the longest row by a few tokens, so runs on
+    versions of one data set train at one length."""
+    assert longest_row > 0, longest_row
+    rounded = -(-longest_row // AUTO_LENGTH_MULTIPLE) * AUTO_LENGTH_MULTIPLE
+    return rounded if max_positions is None else min(rounded, max_positions)
+
+
 PACKER = "best-fit"
 """How :func:`pack_rows` plans sequences, recorded in checkpoints: a run resumed from a checkpoint
 whose packer planned them otherwise groups the rest of that epoch's rows anew."""

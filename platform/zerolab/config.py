@@ -103,8 +103,8 @@ class DataSpec:
     """Rows to generate when `eval_path` is empty; 0 for no eval split."""
     system_prompt: str | None = None
     """System message; empty: the task's own."""
-    max_seq_length: int = 128
-    """Longest tokenized sample (prompt + response) accepted; longer rows are reported as bad."""
+    max_seq_length: int | Literal["auto"] = 128
+    """Longest tokenized sample (prompt + response) accepted; longer rows are reported as bad. `auto`: the data's longest row (train and eval), rounded up to a multiple of 64, at most the model's `max_position_embeddings` (only rows beyond that are bad); resolved when the data is prepared and logged as `derived.max_seq_length`. With `packing`, sequences are packed up to this length: `auto` holds the longest row, a larger number packs more rows per sequence."""
     packing: bool = False
     """Pack several samples into each sequence, best fit: each sample joins the sequence with the least room that holds it (attention stays within each sample)."""
     max_bad_fraction: float = 0.0
@@ -379,8 +379,8 @@ def validate(cfg: SFTConfig) -> list[str]:
     positive("data.num_train_rows", d.num_train_rows)
     positive("data.num_eval_rows", d.num_eval_rows, zero_ok=True)
     fraction("data.max_bad_fraction", d.max_bad_fraction, upper_open=False)
-    if d.max_seq_length < 8:
-        p.append(f"data.max_seq_length: {d.max_seq_length} is too short for a chat-formatted sample; use at least 8")
+    if d.max_seq_length != "auto" and d.max_seq_length < 8:
+        p.append(f"data.max_seq_length: {d.max_seq_length} is too short for a chat-formatted sample; use at least 8, or auto")
     positive("train.micro_batch_size", t.micro_batch_size)
     positive("train.grad_accum_steps", t.grad_accum_steps)
     positive("train.max_steps", t.max_steps, allow_none=True)
@@ -555,7 +555,7 @@ def _describe(tp: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         return " or ".join("empty (null)" if a is type(None) else _describe(a) for a in args)
     if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in args)
+        return repr(args[0]) if len(args) == 1 else "one of " + ", ".join(repr(a) for a in args)
     if origin is tuple:
         return f"a list of {_describe(args[0])}"
     return {bool: "true/false", int: "an integer", float: "a finite number", str: "a string"}[tp]

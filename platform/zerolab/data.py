@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from zerolab.batches import IGNORE_INDEX
+from zerolab.batches import AUTO_LENGTH_MULTIPLE, IGNORE_INDEX, auto_max_seq_length
 from zerolab.config import SFTConfig
 from zerolab.errors import UserError
 
@@ -300,12 +300,14 @@ def join_spans(encoded: list[list[int]], eos: int | None) -> tuple[list[int], li
 
 
 def tokenize_rows(tokenizer: Any, records: list[str | None], errors: list[str | None], *, system_prompt: str,
-                  max_seq_length: int) -> tuple[list[list[int]], list[list[int]], list[str | None]]:
+                  max_seq_length: int | None, limit_key: str = "data.max_seq_length",
+                  ) -> tuple[list[list[int]], list[list[int]], list[str | None]]:
     """(input_ids, labels, error) per row, as :func:`tokenize_messages` makes them one by one, with
     every span of the batch tokenized in one call of the fast tokenizer (its Rust batch encoder).
 
     ``records`` are rows' JSON text, ``errors`` the parse errors so far (a row with one is passed
-    through). A row is bad when it is malformed, longer than ``max_seq_length`` or has no target.
+    through). A row is bad when it is malformed, longer than ``max_seq_length`` (None: no limit;
+    ``limit_key`` names the limit in the report) or has no target.
     """
     spans: list[str] = []
     where: list[tuple[int, int] | None] = []  # per row: its first span and number of spans
@@ -335,8 +337,8 @@ def tokenize_rows(tokenizer: Any, records: list[str | None], errors: list[str | 
         if span is not None:
             first, count = span
             ids, labels = join_spans(encoded[first : first + count], tokenizer.eos_token_id)
-            if len(ids) > max_seq_length:
-                errors[r] = f"too long: {len(ids)} tokens > data.max_seq_length={max_seq_length}"
+            if max_seq_length is not None and len(ids) > max_seq_length:
+                errors[r] = f"too long: {len(ids)} tokens > {limit_key}={max_seq_length}"
             elif labels.count(IGNORE_INDEX) == len(labels):
                 errors[r] = "empty target: the answer has no tokens"
             if errors[r] is not None:
@@ -354,12 +356,13 @@ def _cached_tokenizer(name_or_path: str, revision: str | None, trust_remote_code
     return load_tokenizer(ModelSpec(name_or_path=name_or_path, revision=revision, trust_remote_code=trust_remote_code))
 
 
-def tokenize_batch(batch: pa.Table, *, model: dict[str, Any], system_prompt: str, max_seq_length: int) -> pa.Table:
+def tokenize_batch(batch: pa.Table, *, model: dict[str, Any], system_prompt: str, max_seq_length: int | None,
+                   limit_key: str = "data.max_seq_length") -> pa.Table:
     """Parsed rows (path, line, record, error) -> path, line, input_ids, labels, error; a Ray Data
     ``map_batches`` function, also called in the driver for small inputs."""
     tokenizer = _cached_tokenizer(model["name_or_path"], model["revision"], model["trust_remote_code"])
     ids, labels, errors = tokenize_rows(tokenizer, batch.column("record").to_pylist(), batch.column("error").to_pylist(),
-                                        system_prompt=system_prompt, max_seq_length=max_seq_length)
+                                        system_prompt=system_prompt, max_seq_length=max_seq_length, limit_key=limit_key)
     ints = pa.list_(pa.int32())
     return pa.table({"path": batch.column("path"), "line": batch.column("line"), "input_ids": pa.array(ids, type=ints),
                      "labels": pa.array(labels, type=ints), "error": pa.array(errors, type=pa.string())})
@@ -399,6 +402,9 @@ class SplitReport:
     tokens: int = 0
     target_tokens: int = 0
     max_tokens: int = 0
+    length_limit: int | None = None
+    """The longest row accepted: ``data.max_seq_length``, or with ``auto`` the model's
+    ``max_position_embeddings`` (None: the model's config has none)."""
     empty_files: list[str] = field(default_factory=list)
     """Files without a single row."""
     skipped_files: list[str] = field(default_factory=list)
@@ -506,7 +512,8 @@ def prepare_split(split: str, path: str, cfg: SFTConfig, model_path: str) -> Pre
 
     The cache (``<zerolab cache>/tokenized/<key>/``, on the driver) is keyed by :func:`cache_key`:
     the files' bytes, the tokenizer's files, the chat template, system prompt, task,
-    ``data.max_seq_length`` and :data:`TOKENIZED_FORMAT`; ``data.packing`` is not part of it
+    ``data.max_seq_length`` (with ``auto``, the model's ``max_position_embeddings``, the longest row
+    it then accepts) and :data:`TOKENIZED_FORMAT`; ``data.packing`` is not part of it
     (packing happens in the batcher). Local inputs up to :data:`DRIVER_MAX_BYTES` are prepared in
     this process; larger or remote ones with Ray Data (remote ones are not cached: their bytes are
     not read here). The bad-row report is stored with the tokens, so a cached split reports and
@@ -527,8 +534,12 @@ def prepare_split(split: str, path: str, cfg: SFTConfig, model_path: str) -> Pre
     system_prompt = cfg.data.system_prompt if cfg.data.system_prompt is not None else get_task(cfg.data.task).system_prompt
     model = {"name_or_path": model_path, "revision": cfg.model.revision, "trust_remote_code": cfg.model.trust_remote_code}
     data_fingerprint = fingerprint(files)
+    auto = cfg.data.max_seq_length == "auto"
+    # With auto every row the model can take is kept; the length is resolved from them (resolve_max_seq_length).
+    limit = max_positions(model) if auto else cfg.data.max_seq_length
+    limit_key = "max_position_embeddings" if auto else "data.max_seq_length"
     key = cache_key(data_fingerprint, model, system_prompt=system_prompt, task=cfg.data.task,
-                    max_seq_length=cfg.data.max_seq_length)
+                    max_seq_length=cfg.data.max_seq_length, max_positions=limit if auto else None)
     folder = cache_dir() / "tokenized" / key[:32]
     prepared = None if remote else _load_cached(folder, key)
     if prepared is None:
@@ -539,10 +550,11 @@ def prepare_split(split: str, path: str, cfg: SFTConfig, model_path: str) -> Pre
 
             report.prepared_with = "ray data"
             connect_ray(cfg)  # a job that trains in its own process has not started Ray (cluster.needs_ray)
-            table = _tokenize_with_ray_data(files, model, system_prompt, cfg.data.max_seq_length)
+            table = _tokenize_with_ray_data(files, model, system_prompt, limit, limit_key)
         else:
             report.prepared_with = "driver"
-            table = _tokenize_here(files, model, system_prompt, cfg.data.max_seq_length)
+            table = _tokenize_here(files, model, system_prompt, limit, limit_key)
+        report.length_limit = limit
         prepared = _assemble(table, report)
         if not remote:
             _store(folder, prepared)
@@ -559,13 +571,51 @@ def data_identity(cfg: SFTConfig) -> tuple:
     return replace(cfg.data, packing=False), cfg.model.name_or_path, cfg.model.revision, cfg.model.trust_remote_code
 
 
-def cache_key(data_fingerprint: str, model: dict[str, Any], *, system_prompt: str, task: str, max_seq_length: int) -> str:
+def cache_key(data_fingerprint: str, model: dict[str, Any], *, system_prompt: str, task: str, max_seq_length: int | str,
+              max_positions: int | None = None) -> str:
     """sha256 of everything that decides a split's tokens: the data files' fingerprint, the
     tokenizer's (its files, chat template included), system prompt, task, max length and
-    :data:`TOKENIZED_FORMAT`."""
+    :data:`TOKENIZED_FORMAT`. With ``max_seq_length`` ``auto`` the rows kept are those up to the
+    model's ``max_position_embeddings`` (``max_positions``), which is then part of the key too: the
+    tokens, and so the length ``auto`` resolves to, follow from the key."""
     parts = {"format": TOKENIZED_FORMAT, "data": data_fingerprint, "tokenizer": tokenizer_fingerprint(model),
              "system_prompt": system_prompt, "task": task, "max_seq_length": max_seq_length}
+    if max_seq_length == "auto":
+        parts["max_positions"] = max_positions
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def max_positions(model: dict[str, Any]) -> int | None:
+    """The model's ``max_position_embeddings`` from its config (None where the config has none).
+    Raises ModelLoadError."""
+    from transformers import AutoConfig
+
+    from zerolab.models import LOAD_ERRORS, ModelLoadError, _load_failure
+
+    try:
+        config = AutoConfig.from_pretrained(model["name_or_path"], revision=model["revision"],
+                                            trust_remote_code=model["trust_remote_code"])
+    except LOAD_ERRORS as exc:
+        raise ModelLoadError(_load_failure(model["name_or_path"], "model config", exc)) from exc
+    value = getattr(config, "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def resolve_max_seq_length(cfg: SFTConfig, splits: dict[str, PreparedSplit]) -> SFTConfig:
+    """``cfg`` with ``data.max_seq_length: auto`` replaced by the length it resolves to on the
+    prepared ``splits``: their longest row, rounded up (``zerolab.batches.auto_max_seq_length``),
+    at most the model's ``max_position_embeddings``. A set number is returned as it is. The driver
+    calls this once, after preparing the data; the memory estimate, the run's params and the
+    workers read the result."""
+    if cfg.data.max_seq_length != "auto":
+        return cfg
+    reports = [split.report for split in splits.values()]
+    longest = max(r.max_tokens for r in reports)
+    limits = [r.length_limit for r in reports if r.length_limit is not None]
+    length = auto_max_seq_length(longest, min(limits) if limits else None)
+    logger.info("data.max_seq_length: auto -> %d (the longest row, %d tokens, rounded up to a multiple of %d%s)", length, longest,
+                AUTO_LENGTH_MULTIPLE, f"; the model takes {min(limits)}" if limits else "")
+    return cfg.replace(data=replace(cfg.data, max_seq_length=length))
 
 
 def tokenizer_fingerprint(model: dict[str, Any]) -> str:
@@ -593,18 +643,21 @@ def tokenizer_fingerprint(model: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
-def _tokenize_here(files: list[str], model: dict[str, Any], system_prompt: str, max_seq_length: int) -> pa.Table:
+def _tokenize_here(files: list[str], model: dict[str, Any], system_prompt: str, max_seq_length: int | None,
+                   limit_key: str) -> pa.Table:
     """Parse and tokenize local files in this process, in chunks of rows (one tokenizer call each)."""
     tables = []
     for f in files:
         rows = parse_file({"path": f, "bytes": Path(f).read_bytes()})
         for start in range(0, len(rows), 4096):
             chunk = pa.Table.from_pylist(rows[start : start + 4096], schema=_PARSED)
-            tables.append(tokenize_batch(chunk, model=model, system_prompt=system_prompt, max_seq_length=max_seq_length))
+            tables.append(tokenize_batch(chunk, model=model, system_prompt=system_prompt, max_seq_length=max_seq_length,
+                                         limit_key=limit_key))
     return pa.concat_tables(tables) if tables else _TOKENIZED.empty_table()
 
 
-def _tokenize_with_ray_data(files: list[str], model: dict[str, Any], system_prompt: str, max_seq_length: int) -> pa.Table:
+def _tokenize_with_ray_data(files: list[str], model: dict[str, Any], system_prompt: str, max_seq_length: int | None,
+                            limit_key: str) -> pa.Table:
     """The same parse and tokenize, spread over the cluster's CPUs by Ray Data; the rows come back
     to the driver in file order."""
     import ray
@@ -625,7 +678,7 @@ def _tokenize_with_ray_data(files: list[str], model: dict[str, Any], system_prom
         tokenize_batch,
         batch_format="pyarrow",
         batch_size=4096,
-        fn_kwargs={"model": model, "system_prompt": system_prompt, "max_seq_length": max_seq_length},
+        fn_kwargs={"model": model, "system_prompt": system_prompt, "max_seq_length": max_seq_length, "limit_key": limit_key},
     )
     tables = [t for t in ray.get(ds.to_arrow_refs()) if t.num_rows]  # an empty input has no schema
     return pa.concat_tables([t.select(_TOKENIZED.names).cast(_TOKENIZED) for t in tables]) if tables else _TOKENIZED.empty_table()
@@ -724,10 +777,9 @@ def _bad_rows_message(key: str, report: SplitReport, cfg: SFTConfig, why: str) -
     lines += [f"  {example}" for example in report.bad_examples]
     if report.rows_bad > len(report.bad_examples):
         lines.append(f"  ... and {report.rows_bad - len(report.bad_examples)} more")
-    lines.append(
-        "Fix or remove these rows, raise data.max_seq_length for rows that are too long, "
-        "or tolerate a share of bad rows with data.max_bad_fraction=0.05."
-    )
+    too_long = ("shorten rows too long for the model" if cfg.data.max_seq_length == "auto"
+                else "raise data.max_seq_length (or set it to auto) for rows that are too long")
+    lines.append(f"Fix or remove these rows, {too_long}, or tolerate a share of bad rows with data.max_bad_fraction=0.05.")
     return "\n".join(lines)
 
 

@@ -30,12 +30,15 @@ the named constants of :class:`Calibration`, fitted from measurements with
 ``bench/calibrate_memory.py``; ``docs/calibration/memory_calibration.md`` lists the measured errors.
 
 Everything here is arithmetic on configs: importing this module starts nothing, and only
-:meth:`Limits.detect` looks at the machine.
+:meth:`Limits.detect` and :func:`worker_imports_rss` (what the installed software costs a CPU
+worker, measured once per environment) look at the machine.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import math
 import re
 from collections.abc import Iterable, Sequence
@@ -46,6 +49,8 @@ from typing import Any
 from zerolab.config import AdapterSpec, ConfigError, SFTConfig, validate
 from zerolab.errors import UserError
 from zerolab.zero import OffloadMode, Option
+
+logger = logging.getLogger(__name__)
 
 KIB, MIB, GIB = 1024, 1024**2, 1024**3
 
@@ -103,10 +108,19 @@ class Calibration:
     context, loaded kernel images, cuBLAS/cuDNN handles."""
     nccl_bytes: int = 512 * MIB
     """Per GPU process when world size > 1, outside torch's allocator: NCCL communicator buffers."""
-    host_process_cpu_bytes: int = 720 * MIB
-    """Host RSS of one Ray Train worker training on CPU, without its tensors: Python, torch,
-    transformers, peft, DeepSpeed, Ray's worker runtime (measured: 0.75-0.84 GiB per worker in
-    runs of the tiny model, whose tensors take 0.1 GiB)."""
+    host_imports_cpu_bytes: int | None = None
+    """Host RSS of the software a worker training on CPU imports (:data:`WORKER_IMPORTS`: Python,
+    torch, DeepSpeed, transformers, peft, Ray Train and Ray Data), which depends on what is
+    installed rather than on the job: None measures it in this environment
+    (:func:`worker_imports_rss`: 600 MiB with torch 2.13.0+cpu on the 2-core machine, where
+    :data:`DEFAULT_IMPORTS_CPU_BYTES` stands in when it cannot be measured). torch's CUDA build
+    alone holds 491 MiB once imported against 220 MiB for its CPU build (torch 2.11.0+cu130 with no
+    GPU visible; 2.13.0+cpu), which a constant fitted on one of them cannot follow."""
+    host_process_cpu_bytes: int = 131 * MIB
+    """Host RSS of one Ray Train worker training on CPU beyond its imports and its tensors: Ray's
+    worker runtime, the gloo process group, DeepSpeed's engine, MLflow's client and system-metrics
+    monitor (rank 0's runs 50-56 MiB above the other ranks'). Fitted: the median residual of the
+    default job and the DoRA ZeRO-3 NER job on the 2-core machine (docs/calibration/heldout.md)."""
     host_process_gpu_bytes: int = 2105 * MIB
     """The same on a GPU worker: adds the CUDA runtime and the host side of the CUDA context, cuBLAS,
     cuDNN and NCCL (fitted, with ``host_load_factor_gpu``, to LoRA runs of the 0.5B and 7B shapes)."""
@@ -131,9 +145,17 @@ class Calibration:
     host_cpu_tensor_factor: float = 1.5
     """CPU training only: worker RSS growth / peak bytes of live tensors. glibc keeps freed heap
     chunks of activation-sized tensors mapped, so RSS runs ahead of what is allocated, by an
-    amount that depends on the allocation pattern: measured 1.2× (full fine-tuning), 1.5× (LoRA)
-    and 2.9× (LoRA with gradient checkpointing) in Ray runs of the tiny model with 16k-token
-    micro-batches; 1.0× with ``MALLOC_MMAP_THRESHOLD_=65536`` in the workers' environment."""
+    amount that depends on the allocation pattern: measured 1.2× (full fine-tuning), 1.24× (LoRA,
+    packed) and 1.5× (DoRA, padded) in Ray runs of the tiny model with 8-16k-token micro-batches
+    (docs/calibration/heldout.md). With a fixed mmap threshold (``MALLOC_TRIM_THRESHOLD_=0`` or
+    ``MALLOC_MMAP_THRESHOLD_=65536`` in the workers' environment) glibc returns them and RSS follows
+    the live tensors (1.0-1.13×), but CPU steps took 30-65% longer on the 2-core machine."""
+    host_cpu_tensor_factor_checkpointing: float = 2.7
+    """The same with gradient checkpointing, whose forward pass allocates and frees every layer's
+    activations and whose backward pass does it again, one layer at a time, beside the saved
+    inputs: glibc keeps far more than the (smaller) live peak. Measured 2.15-2.67× in Ray runs
+    (LoRA, full and DoRA; 2.85-3.6× in one process without DeepSpeed), 1.13× with a fixed mmap
+    threshold; fitted as the highest of the Ray runs, so that they are not under-predicted."""
     host_ray_node_bytes: int = 3 * GIB
     """Per node, outside the training workers (so not in ``mem/host_rss_peak_gib``): raylet, GCS,
     dashboard, the driver with its tokenizer and Ray Data, idle pooled Ray workers."""
@@ -143,6 +165,68 @@ class Calibration:
 
 
 DEFAULT_CALIBRATION = Calibration()
+
+WORKER_IMPORTS = ("zerolab.train", "ray.train.torch", "ray.data", "deepspeed", "peft")
+"""What a worker has imported by its first step: ``zerolab.train`` (torch, transformers, Ray
+Train) and what it imports where it builds the engine, the adapter and its data shard."""
+
+DEFAULT_IMPORTS_CPU_BYTES = 600 * MIB
+""":data:`WORKER_IMPORTS`' RSS with torch 2.13.0+cpu on the 2-core machine, where
+:func:`worker_imports_rss` cannot measure it."""
+
+
+@functools.lru_cache(maxsize=1)
+def worker_imports_rss() -> int | None:
+    """RSS of a fresh Python process of this environment once it has imported
+    :data:`WORKER_IMPORTS` on DeepSpeed's CPU accelerator: the part of a CPU worker's baseline that
+    the installed software decides. Measured once in a subprocess (about 10 s on the 2-core machine)
+    and kept in ``<zerolab cache>/host_baseline/``, keyed by this Python and the versions of the
+    packages (torch's names its build) and of zerolab; None where it cannot be measured.
+
+    Measured on the driver, it stands for workers on nodes with the same software (a cluster's
+    nodes run one image)."""
+    import hashlib
+    import importlib.metadata
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import zerolab
+    from zerolab.models import cache_dir
+
+    versions: dict[str, str | None] = {}
+    for package in ("torch", "deepspeed", "transformers", "peft", "ray", "numpy", "pyarrow"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    key = hashlib.sha256(json.dumps([sys.executable, sys.version, versions, zerolab.__version__, WORKER_IMPORTS]).encode()).hexdigest()
+    path = cache_dir() / "host_baseline" / f"{key[:32]}.json"
+    try:
+        return int(json.loads(path.read_text())["rss_bytes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    probe = f"import {', '.join(WORKER_IMPORTS)}\nprint(open('/proc/self/status').read())"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    try:
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300, check=True).stdout
+        found = re.search(r"^VmRSS:\s+(\d+) kB", out, re.MULTILINE)
+        if found is None:
+            raise ValueError("no VmRSS in /proc/self/status")
+        rss = int(found.group(1)) * KIB
+    except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        logger.warning("could not measure what a CPU worker's imports hold (%s); the host estimate takes %d MiB",
+                       exc, DEFAULT_IMPORTS_CPU_BYTES // MIB)
+        return None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.partial")
+        partial.write_text(json.dumps({"rss_bytes": rss, "versions": versions, "python": sys.executable}))
+        partial.replace(path)
+    except OSError as exc:
+        logger.debug("could not keep the measured import RSS in %s: %s", path, exc)
+    return rss
 
 RELATIVE_STEP_TIME: dict[tuple[int, OffloadMode], float] = {
     (0, "none"): 1.0,
@@ -410,8 +494,12 @@ class BatchShape:
     @classmethod
     def from_config(cls, cfg: SFTConfig) -> BatchShape:
         """The worst case the config allows: every micro-batch ``micro_batch_size`` × ``max_seq_length``,
-        every row ``max_seq_length`` tokens, ⌈rows / N⌉ rows of each split per worker."""
+        every row ``max_seq_length`` tokens, ⌈rows / N⌉ rows of each split per worker. Raises
+        MemoryEstimateError for ``max_seq_length: auto``, which only the data decides."""
         s, n = cfg.data.max_seq_length, cfg.world_size()
+        if s == "auto":
+            raise MemoryEstimateError("data.max_seq_length: auto is the length of the data's longest row, so the estimate needs "
+                                      "the data; estimate on it (jobs/estimate.py tokenizes it) or set a number of tokens")
         rows = math.ceil(cfg.data.num_train_rows / n) + math.ceil(cfg.data.num_eval_rows / n)
         return cls(MicroBatch(cfg.train.micro_batch_size, s, cfg.train.micro_batch_size * s), rows, rows * s, False)
 
@@ -435,6 +523,11 @@ class ShardLengths:
     @property
     def world_size(self) -> int:
         return len(self.train)
+
+    @property
+    def longest_row(self) -> int:
+        """Tokens of the longest row of any shard."""
+        return max((n for shards in (self.train, self.eval) for shard in shards for n in shard), default=0)
 
     def batch_shape(self, cfg: SFTConfig) -> BatchShape:
         """The largest micro-batch of ``cfg``'s training run over these shards (its epochs are
@@ -846,10 +939,18 @@ def estimate(cfg: SFTConfig, model_config: Any, *, calibration: Calibration = DE
     really run (:meth:`ShardLengths.batch_shape`) and the shards' real tokens; without it, or
     when ``cfg`` has another world size than ``data`` was split for, the worst case by config:
     ``micro_batch_size`` × ``data.max_seq_length`` tokens (:meth:`BatchShape.from_config`).
+    ``data.max_seq_length: auto`` is resolved from ``data`` (without it: MemoryEstimateError).
     Raises ConfigError when the DeepSpeed JSON does not resolve and MemoryEstimateError for
     unsupported models.
     """
     shape = model_config if isinstance(model_config, ModelShape) else ModelShape.from_config(model_config)
+    if cfg.data.max_seq_length == "auto" and data is not None and data.longest_row:
+        # As zerolab.data.resolve_max_seq_length does on the driver (jobs resolve it there: the
+        # shards here miss the rows that equal train shards drop).
+        from zerolab.batches import auto_max_seq_length
+
+        length = auto_max_seq_length(data.longest_row, _max_positions(model_config))
+        cfg = cfg.replace(data=dataclasses.replace(cfg.data, max_seq_length=length))
     knobs = _ZeroKnobs.resolve(cfg, shape.hidden_size)
     option = Option.of(cfg)
     inventory = parameter_inventory(shape, cfg.adapter)
@@ -1093,7 +1194,7 @@ class _Estimator:
         output and mask (e·in + mask·in; the mask is a byte on GPU, e bytes on CPU), without
         dropout the input itself (shared), lora_A's output e·r, DoRA's base and LoRA results
         (2·e·out), and AdaLoRA's scaled product before its division by the rank (e·out; measured
-        with ``bench/activation_census.py``). With Liger's kernels (``zerolab.kernels``) each RMSNorm keeps its
+        with a census probe, ``git show 4aa9d6f:bench/activation_census.py``). With Liger's kernels (``zerolab.kernels``) each RMSNorm keeps its
         input in e and the fp32 rsqrt (e·h + 4, also when its weight trains) and SwiGLU keeps the
         gate and up outputs only (2·e·I). Under ZeRO-3 with DeepSpeed's ``memory_efficient_linear``
         (its default) every projection keeps its input, frozen or not: e·h for q/k/v and for
@@ -1264,8 +1365,15 @@ class _Estimator:
         return c, phases
 
     # -- host components
+    def _cpu_imports(self) -> int:
+        """What a CPU worker's imports hold (:attr:`Calibration.host_imports_cpu_bytes`)."""
+        if self.cal.host_imports_cpu_bytes is not None:
+            return self.cal.host_imports_cpu_bytes
+        return worker_imports_rss() or DEFAULT_IMPORTS_CPU_BYTES
+
     def host(self, device_peak: int) -> tuple[dict[str, int], dict[str, int], dict[str, int], dict[str, int]]:
-        """Per worker: process baseline; dataset shard (⌈rows/N⌉ × (16·S + row overhead)); model
+        """Per worker: process baseline (on CPU: what its imports hold, measured here, plus the rest of
+        the process, fitted); dataset shard (⌈rows/N⌉ × (16·S + row overhead)); model
         load (ZeRO 0-2 every rank reads the whole checkpoint, ZeRO-3 rank 0 alone: P × the file's
         bytes per element, plus P·e when converting dtype, × host_load_factor; on GPU with ZeRO 0-2,
         where tensors go to the GPU as they are read, P × the file's bytes × host_load_factor_gpu,
@@ -1276,11 +1384,11 @@ class _Estimator:
         states, and the fp32 gradient of the step: 18·⌈T/N⌉); offloaded parameters (every
         partition pinned separately, plus the trainable flat buffer); pinned-memory rounding (torch
         rounds each pinned allocation up to a power of two); on CPU runs the device peak ×
-        host_cpu_tensor_factor; the
+        host_cpu_tensor_factor (host_cpu_tensor_factor_checkpointing with gradient checkpointing); the
         final save on rank 0 (full fine-tuning gathers the whole state dict: P·e)."""
         cal, e, n = self.cal, self.e, self.n
         dataset = 16 * self.batch.shard_tokens + self.batch.shard_rows * cal.host_row_bytes
-        base = cal.host_process_gpu_bytes if self.gpu else cal.host_process_cpu_bytes
+        base = cal.host_process_gpu_bytes if self.gpu else cal.host_process_cpu_bytes + self._cpu_imports()
         # Loaded in the training precision; peft's adapters are created in fp32 before DeepSpeed casts them.
         weights_bytes = sum(p.total * (4 if p.adapter else e) for p in self.inv)
         base_params = sum(p.total for p in self.inv if not p.adapter)
@@ -1316,7 +1424,8 @@ class _Estimator:
             param_pinned += [self.e * self._part(g) for g in groups]
         pin = self.gpu and self.knobs.pin_memory
         rounding = sum(_pow2(x) - x for x in opt_pinned + param_pinned) if pin else 0
-        cpu_tensors = 0 if self.gpu else int(device_peak * cal.host_cpu_tensor_factor)
+        retained = cal.host_cpu_tensor_factor_checkpointing if self.cfg.model.gradient_checkpointing else cal.host_cpu_tensor_factor
+        cpu_tensors = 0 if self.gpu else int(device_peak * retained)
         save = weights_bytes if not self.peft else 4 * self.T
         worker = {
             "worker process": base,
@@ -1366,6 +1475,12 @@ class _Estimator:
             host_worker_phases=host_phases, host_other_worker_phases=host_other, host_node=host_node, calibration=self.cal, notes=tuple(self.notes),
             batch=self.batch,
         )
+
+
+def _max_positions(model_config: Any) -> int | None:
+    get = model_config.get if isinstance(model_config, dict) else lambda k, d=None: getattr(model_config, k, d)
+    value = get("max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def _dtype_bytes(dtype: Any) -> int | None:
@@ -1554,8 +1669,8 @@ def preflight(cfg: SFTConfig, model_config: Any, limits: Limits | None = None, *
 def worst_case_by_config(cfg: SFTConfig, model_config: Any, est: Estimate, limits: Limits | None = None, *,
                          calibration: Calibration = DEFAULT_CALIBRATION) -> str | None:
     """For a data-aware ``est``: the worst case the config allows, as one line, when its figures
-    differ (None otherwise)."""
-    if not est.data_aware:
+    differ (None otherwise, and for ``data.max_seq_length: auto``, which only the data decides)."""
+    if not est.data_aware or cfg.data.max_seq_length == "auto":
         return None
     worst = estimate(cfg, model_config, calibration=calibration)
     if worst.summary(limits) == est.summary(limits):

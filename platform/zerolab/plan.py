@@ -16,7 +16,7 @@ from zerolab import ds_config, tracking
 from zerolab.clock import StartupClock
 from zerolab.cluster import reserved_resources, resolve_launch
 from zerolab.config import ConfigError, SFTConfig
-from zerolab.data import DataError, PreparedSplit, SplitReport, dataset_paths, prepare_split
+from zerolab.data import DataError, PreparedSplit, SplitReport, dataset_paths, prepare_split, resolve_max_seq_length
 from zerolab.errors import EnvironmentProblem
 from zerolab.memory import load_model_config
 
@@ -44,6 +44,8 @@ class JobPlan:
     commit: str | None
     launch: str = "workers"
     """``driver`` (the job's own process trains: Ray Train's local mode) or ``workers``."""
+    configured: SFTConfig | None = None
+    """The config as given, before ``cfg`` resolved ``data.max_seq_length: auto`` from the data."""
 
     @property
     def reports(self) -> dict[str, SplitReport]:
@@ -64,13 +66,14 @@ def plan_job(cfg: SFTConfig, *, force: bool = False, clock: StartupClock | None 
     deepspeed_file = ds_config.config_path(cfg)
     resolved_ds = check_against_model(cfg, model_config, deepspeed_file)
     splits = prepare_data(cfg, model_path, shared_data)
+    configured, cfg = cfg, resolve_max_seq_length(cfg, splits)
     if clock:
         clock.mark("model config and data")
     memory = check_memory(cfg, model_config, force=force, datasets=splits)
     if clock:
         clock.mark("memory estimate")
     return JobPlan(cfg, model_path, model_config, resolved_ds, deepspeed_file, splits, memory, tracking.git_commit(),
-                   launch or resolve_launch(cfg))
+                   launch or resolve_launch(cfg), configured=configured)
 
 
 

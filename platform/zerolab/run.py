@@ -155,7 +155,8 @@ def _train(plan: JobPlan, run: tracking.TrackedRun, record: RunRecord, folder: R
            config_file: str | Path | None, in_tune: bool, resume_from: str | None, stopper: StopSignal) -> RunResult:
     """Record the job's inputs, run the trainer, and record its outcome into ``run`` and ``record``."""
     cfg, memory = plan.cfg, plan.memory
-    run.log_params(tracking.mask_params({**cfg.flat(), **derived_params(plan), **memory.params()}))
+    configured = (plan.configured or cfg).flat()  # data.max_seq_length as given; derived.max_seq_length as resolved
+    run.log_params(tracking.mask_params({**configured, **derived_params(plan), **memory.params()}))
     run.log_metrics(memory.predicted(), step=0)
     _log_inputs(run, plan, config_file)
     folder.write_record(record)  # training begins
@@ -273,6 +274,7 @@ def derived_params(plan: JobPlan) -> dict[str, Any]:
         "derived.launch": plan.launch,
         "derived.global_batch_size": cfg.global_batch_size(),
         "derived.precision": cfg.precision(),
+        "derived.max_seq_length": cfg.data.max_seq_length,
         "derived.deepspeed_config": str(plan.deepspeed_file),
         "versions.python": _platform.python_version(),
         "derived.git_commit": commit or "unknown",
