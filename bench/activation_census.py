@@ -5,7 +5,7 @@ memory estimate's activation term: the tool for finding which saved tensor a for
         --set adapter.method=adalora --set train.precision=fp32 --set train.micro_batch_size=4 \\
         --set data.max_seq_length=1024 --set data.packing=true --row-tokens 256
 
-The model is built as a worker builds it (``zerolab.train._build_model``: Liger's kernels, the fused
+The model is built as a worker builds it (``zerolab.engine.build_model``: Liger's kernels, the fused
 LoRA forward, the adapter) on this machine's GPU (or CPU), one micro-batch of synthetic rows of
 ``--row-tokens`` tokens is collated by the run's own batcher, and the forward runs under
 ``saved_tensors_hooks``. Printed: the largest saved tensors, their total, the allocator's peak over
@@ -37,13 +37,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from zerolab.batches import MicroBatches
     from zerolab.config import load_config
+    from zerolab.engine import Zero3Loading, build_model
     from zerolab.memory import GIB, estimate, load_model_config
-    from zerolab.train import _build_model
 
     gpu = torch.cuda.is_available()
     cfg = load_config(None, [f"model.name_or_path={args.model}", f"scaling.use_gpu={str(gpu).lower()}", *args.set])
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
-    model = _build_model(cfg, {}, total_steps=100, device=device)
+    model = build_model(cfg, {}, total_steps=100, zero3=Zero3Loading(), device=device)
     model.train()
     rows_needed = cfg.train.micro_batch_size * max(1, cfg.data.max_seq_length // args.row_tokens if cfg.data.packing else 1)
     rng = np.random.default_rng(0)
