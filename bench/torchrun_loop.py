@@ -155,17 +155,21 @@ def zerolab_loop(args: argparse.Namespace, rows: list, device: torch.device, wor
     from zerolab import ds_config
     from zerolab.batches import MicroBatches
     from zerolab.config import load_config
+    from zerolab.ds_runtime import init_distributed
+    from zerolab.engine import Zero3Loading, build_model, initialize_engine
     from zerolab.models import load_tokenizer
-    from zerolab.train import _build_model, _seed_everything, init_distributed, initialize_engine, optimizer_step
+    from zerolab.snapshot import seed_everything
+    from zerolab.train import optimizer_step
 
     cfg = load_config(None, [*args.set, f"model.name_or_path={args.model}", f"scaling.num_workers={world}",
                              f"train.max_steps={args.steps}"])
     init_distributed("nccl" if device.type == "cuda" else "gloo")
-    _seed_everything(cfg.train.seed + dist.get_rank())
+    seed_everything(cfg.train.seed + dist.get_rank())
     resolved = ds_config.resolve(cfg, AutoConfig.from_pretrained(args.model).hidden_size)
     batches = MicroBatches(rows, micro_batch_size=cfg.train.micro_batch_size, max_seq_length=cfg.data.max_seq_length,
                            packing=cfg.data.packing, pad_id=load_tokenizer(cfg.model).pad_token_id, seed=cfg.train.seed)
-    model = _build_model(cfg, resolved, args.steps)
+    zero3 = Zero3Loading()  # held while the engine trains
+    model = build_model(cfg, resolved, args.steps, zero3=zero3)
     mark = rss.mark if rss else lambda _: None
     mark("model")
     total, trainable = model_counts(model)

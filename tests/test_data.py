@@ -167,7 +167,7 @@ def test_packing_puts_each_row_where_it_fits_best():
 
 
 def test_a_resume_from_a_checkpoint_packed_otherwise_says_what_it_cannot_reproduce():
-    from zerolab.train import packer_change
+    from zerolab.snapshot import packer_change
 
     # Checkpoints written before best fit recorded no packer: their epochs were planned next fit.
     message = packer_change({"step": 40}, packing=True)

@@ -41,8 +41,8 @@ import torch
 from conftest import tiny_overrides, trained_state
 from zerolab import adapters
 from zerolab.config import ModelSpec, SFTConfig, load_config
+from zerolab.engine import DTYPES
 from zerolab.models import load_model
-from zerolab.train import DTYPES
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 

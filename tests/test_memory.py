@@ -375,11 +375,11 @@ def test_adapters_are_created_once_the_model_is_on_its_device(stage, tiny_model_
     Qwen2.5-1.5B on CPU: +2.43 GiB of file pages, the wrapped projections' bf16 bytes, against +0.05
     for LoRA). Under ZeRO 0-2 the model is on its device before peft wraps it (the meta device stands
     in for the GPU here), so the host estimate carries no DoRA term."""
-    from zerolab.train import _build_model
+    from zerolab.engine import Zero3Loading, build_model
 
     cfg = load_config(None, [f"model.name_or_path={tiny_model_path}", "adapter.method=dora", f"deepspeed.stage={stage}",
                              "model.kernels=none"])
-    model = _build_model(cfg, {}, total_steps=10, device=torch.device("meta"))
+    model = build_model(cfg, {}, total_steps=10, zero3=Zero3Loading(), device=torch.device("meta"))
     assert any("lora_magnitude_vector" in name for name, _ in model.named_parameters())
     assert {p.device.type for p in model.parameters()} == {"meta"}
     dora, lora = (memory.estimate(gpu_cfg(f"deepspeed.stage={stage}", f"adapter.method={m}"), QWEN25_7B) for m in ("dora", "lora"))
@@ -455,8 +455,8 @@ def _measure_peak_here(cfg, steps: int) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from zerolab.batches import MicroBatches
+    from zerolab.engine import DTYPES, build_optimizer
     from zerolab.models import load_model
-    from zerolab.train import DTYPES, _build_optimizer
 
     dtype = DTYPES[cfg.precision()]
     model = load_model(cfg.model, dtype)
@@ -465,7 +465,7 @@ def _measure_peak_here(cfg, steps: int) -> int:
         model.enable_input_require_grads()
     model = adapters.apply_adapter(model, cfg.adapter, 10).to(dtype)  # DeepSpeed casts adapters to the training dtype
     model.train()
-    optimizer = _build_optimizer(model, cfg)
+    optimizer = build_optimizer(model, cfg)
     rng = np.random.default_rng(0)
     rows = []
     for _ in range(64):

@@ -45,10 +45,10 @@ def reference_gradient() -> tuple[dict[str, torch.Tensor], float]:
 
 def join_group(rank: int, port: int) -> None:
     """Join a two-rank gloo process group on this machine's CPU as the jobs form it
-    (``zerolab.train.init_distributed``)."""
+    (``zerolab.ds_runtime.init_distributed``)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
                       DS_ACCELERATOR="cpu")
-    from zerolab.train import init_distributed
+    from zerolab.ds_runtime import init_distributed
 
     init_distributed("gloo")
 
@@ -58,8 +58,9 @@ def worker(rank: int, stage: int, mode: str, port: int, results: dict) -> None:
     import deepspeed
 
     from zerolab.config import load_config
+    from zerolab.engine import initialize_engine
     from zerolab.models import load_model
-    from zerolab.train import initialize_engine, optimizer_step
+    from zerolab.train import optimizer_step
 
     torch.manual_seed(0)
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ACCUM, "gradient_clipping": 0.0,
@@ -122,8 +123,9 @@ def step_checks_worker(rank: int, stage: int, port: int, results: dict) -> None:
     import deepspeed
 
     from zerolab.config import load_config
+    from zerolab.engine import initialize_engine
     from zerolab.models import load_model
-    from zerolab.train import initialize_engine, optimizer_step
+    from zerolab.train import optimizer_step
 
     cfg = load_config(None, ["adapter.method=full", "train.lr=1e-2", "train.warmup_ratio=0", "train.lr_scheduler=constant"])
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ACCUM, "gradient_clipping": 1.0,
@@ -253,7 +255,7 @@ def leaf_worker(rank: int, method: str, gradient_checkpointing: bool, port: int,
     fused = []
     apply = kernels._LoRALinear.apply
     kernels._LoRALinear.apply = staticmethod(lambda *args: fused.append(1) or apply(*args))  # counts the one-node LoRA products
-    for name, (stage, leaf) in LEAF_VARIANTS.items():  # ZeRO-2 first: _build_model keeps ZeRO-3's HfDeepSpeedConfig
+    for name, (stage, leaf) in LEAF_VARIANTS.items():
         fused.clear()
         trained = train_variant(rank, stage, leaf, method, gradient_checkpointing)
         if rank == 0:
@@ -267,11 +269,13 @@ def train_variant(rank: int, stage: int, leaf: bool, method: str, gradient_check
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
-    from zerolab.train import _build_model, initialize_engine, optimizer_step
+    from zerolab.engine import Zero3Loading, build_model, initialize_engine
+    from zerolab.train import optimizer_step
 
     cfg, resolved = leaf_config(stage, leaf, method, gradient_checkpointing, compiled)
     torch.manual_seed(0)
-    engine = initialize_engine(_build_model(cfg, resolved, total_steps=10), cfg, resolved, total_steps=10)
+    zero3 = Zero3Loading()  # ZeRO-3's loading switch, on while this function trains
+    engine = initialize_engine(build_model(cfg, resolved, total_steps=10, zero3=zero3), cfg, resolved, total_steps=10)
     engine.train()
     trainable = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
     grads: dict[str, torch.Tensor] = {}
@@ -324,7 +328,7 @@ def compile_worker(rank: int, gradient_checkpointing: bool, port: int, results: 
     import torch._dynamo
 
     counters = torch._dynamo.utils.counters
-    for name in ("ZeRO-2", "ZeRO-3 leaf layers"):  # ZeRO-2 first: _build_model keeps ZeRO-3's HfDeepSpeedConfig
+    for name in ("ZeRO-2", "ZeRO-3 leaf layers"):
         for compiled in (False, True):
             torch._dynamo.reset()
             counters.clear()
@@ -359,11 +363,13 @@ def gather_count_worker(rank: int, port: int, results: dict) -> None:
     import deepspeed.comm
     from deepspeed.utils import z3_leaf_module
 
+    from zerolab.engine import Zero3Loading, build_model, initialize_engine
     from zerolab.models import decoder_layers
-    from zerolab.train import _build_model, initialize_engine, optimizer_step
+    from zerolab.train import optimizer_step
 
     cfg, resolved = leaf_config(3, True, "lora", False)
-    engine = initialize_engine(_build_model(cfg, resolved, total_steps=10), cfg, resolved, total_steps=10)
+    zero3 = Zero3Loading()  # ZeRO-3's loading switch, on while this function trains
+    engine = initialize_engine(build_model(cfg, resolved, total_steps=10, zero3=zero3), cfg, resolved, total_steps=10)
     layers = decoder_layers(engine.module)
     gathers = []
     allgather = deepspeed.comm.allgather_fn
@@ -426,8 +432,8 @@ def test_leaf_layers_get_an_input_that_requires_grad(tiny_model_path):
 
     from zerolab import adapters
     from zerolab.config import AdapterSpec, ModelSpec
+    from zerolab.engine import make_zero3_leaf_layers
     from zerolab.models import load_model
-    from zerolab.train import make_zero3_leaf_layers
 
     model = adapters.apply_adapter(load_model(ModelSpec(), torch.float32), AdapterSpec(r=4), total_steps=1)
     layers = make_zero3_leaf_layers(model)
@@ -444,7 +450,7 @@ def test_leaf_layers_get_an_input_that_requires_grad(tiny_model_path):
 
 
 def test_stale_build_locks_are_removed_and_live_ones_kept(tmp_path, monkeypatch):
-    from zerolab.train import STALE_BUILD_LOCK_S, clear_stale_build_locks
+    from zerolab.ds_runtime import STALE_BUILD_LOCK_S, clear_stale_build_locks
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     stale, live = tmp_path / "cpu_adam" / "lock", tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock"
@@ -464,7 +470,7 @@ def test_a_cpu_process_group_builds_no_inference_only_deepspeed_op(tmp_path):
     import sys
 
     code = ("import deepspeed.comm.comm as c\n"
-            "from zerolab.train import init_distributed\n"
+            "from zerolab.ds_runtime import init_distributed\n"
             "init_distributed('gloo', auto_mpi_discovery=False)\n"
             "assert c.cdb.shm_comm_op is None, c.cdb.shm_comm_op\n")
     extensions = tmp_path / "extensions"

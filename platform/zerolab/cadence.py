@@ -1,11 +1,14 @@
 """What the worker loop does after each optimizer step — log a window, stop, checkpoint, report to
-Tune — decided by a small object that needs neither Ray nor a device, so it is tested on its own.
+Tune — decided by a small object that needs neither Ray nor a device, so it is tested on its own;
+and the :class:`MetricWindow` whose sums a logged window reports.
 The loop (``zerolab.train``) asks; the driver (``zerolab.run``) reads the stop codes it reports."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 STOPPED_ON_REQUEST = 1
 """Stop code: the driver got SIGINT/SIGTERM."""
@@ -44,3 +47,56 @@ class Cadence:
     def reports_window(self, done: int, stop: int) -> bool:
         """Under Tune, a logged window that no checkpoint report carries is reported on its own."""
         return self.report_every_log and done % self.log_every == 0 and not self.checkpoints(done, stop)
+
+
+@dataclass(frozen=True)
+class WindowMeans:
+    """A logging window, all ranks together."""
+
+    loss: float
+    """The mean step loss (each step's is already its token mean over the world)."""
+    tokens_per_s: float
+    """Non-padding tokens of all ranks per second."""
+    step_s: float
+    stop: int
+    """Rank 0's stop code (0: go on)."""
+
+
+class MetricWindow:
+    """The sums of the steps since the last logging step, kept on the device so that a step does not
+    synchronise with the host: the step losses, the non-padding tokens and, at the window's end, rank
+    0's stop code, all-reduced together in one collective (``.item()`` is a device sync, once a
+    window)."""
+
+    def __init__(self, device: Any, world: int) -> None:
+        import torch  # workers only: the driver imports this module for its stop codes
+
+        self.world = world
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device)
+        self.steps = 0
+        self.start = time.perf_counter()
+
+    def add(self, loss: Any, tokens: int) -> None:
+        """Count one optimizer step: its summed loss (a device tensor) and its non-padding tokens."""
+        self.sums[0] += loss
+        self.sums[1] += tokens
+        self.steps += 1
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def reduce(self, elapsed: float, stop_code: int | None) -> WindowMeans:
+        """Every rank's sums together (a collective all ranks join); rank 0 passes its stop code,
+        the others ``None``."""
+        import torch.distributed as dist
+
+        if stop_code is not None:
+            self.sums[2] = stop_code
+        dist.all_reduce(self.sums)
+        return WindowMeans(loss=self.sums[0].item() / (self.world * self.steps), tokens_per_s=self.sums[1].item() / elapsed,
+                           step_s=elapsed / self.steps, stop=int(self.sums[2].item()))
+
+    def restart(self) -> None:
+        """Start the next window (after the last one is logged)."""
+        self.sums.zero_()
+        self.steps, self.start = 0, time.perf_counter()

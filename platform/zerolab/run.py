@@ -39,6 +39,7 @@ from zerolab.config import ConfigError, SFTConfig
 from zerolab.data import PreparedSplit
 from zerolab.plan import JobPlan, check_resources, plan_job
 from zerolab.stop import DeadlineReached, Interrupted, StopSignal
+from zerolab.worker_plan import TrackingTarget, WorkerPlan
 
 logger = logging.getLogger("zerolab")
 
@@ -165,7 +166,7 @@ def _train(plan: JobPlan, run: tracking.TrackedRun, record: RunRecord, folder: R
     trainer = build_trainer(plan, run.uri, run.run_id, stopper.flag, in_tune=in_tune, deadline=deadline, resume_from=resume_from)
     with stopper.installed():
         result = stopper.fit(trainer)
-    in_driver = trainer.train_loop_config.get("in_driver")
+    in_driver = trainer.train_loop_config["plan"].in_driver
     metrics, checkpoint = in_driver.last if in_driver else (dict(result.metrics or {}), result.checkpoint)
     assert checkpoint is not None, "the run finished without a final checkpoint"
     checkpoint_uri = location(checkpoint.filesystem, checkpoint.path)
@@ -319,30 +320,25 @@ def build_trainer(plan: JobPlan, uri: str | None, run_id: str | None, stop_flag:
     from ray.tune.integration.ray_train import TuneReportCallback
 
     from zerolab.data import worker_datasets
-    from zerolab.train import InDriver, train_loop_per_worker
+    from zerolab.placement import InDriver
+    from zerolab.train import train_loop_per_worker
 
     cfg = plan.cfg
     s = cfg.scaling
     path, filesystem = trainer_storage(cfg)
-    loop_config = {
-        "sft": cfg,  # validated here; workers do not re-check paths that exist on the driver only
-        "deepspeed": plan.deepspeed,
-        "tracking": {"uri": uri, "run_id": run_id} if run_id else None,
-        "stop_flag": stop_flag,
-        "deadline_unix": deadline,
-        "report_every_log": in_tune,
-    }
+    worker_plan = WorkerPlan(sft=cfg, deepspeed=plan.deepspeed, tracking=TrackingTarget(uri, run_id) if run_id else None,
+                             stop_flag=stop_flag, deadline_unix=deadline, report_every_log=in_tune)
     if plan.launch == "driver":  # this process took the workers' environment before its imports (run_sft)
-        loop_config["in_driver"] = InDriver(splits=plan.splits, folder=RunFolder.of(cfg, storage_path(cfg)), resume_from=resume_from,
-                                            keep=cfg.train.keep_checkpoints, in_tune=in_tune)
-        return TorchTrainer(train_loop_per_worker, train_loop_config=loop_config,
+        in_driver = InDriver(splits=plan.splits, folder=RunFolder.of(cfg, storage_path(cfg)), resume_from=resume_from,
+                             keep=cfg.train.keep_checkpoints, in_tune=in_tune)
+        return TorchTrainer(train_loop_per_worker, train_loop_config={"plan": replace(worker_plan, in_driver=in_driver)},
                             scaling_config=ScalingConfig(num_workers=0, use_gpu=s.use_gpu),
                             run_config=RunConfig(name=cfg.run.name, storage_path=path, storage_filesystem=filesystem))
     resources = worker_resources(cfg)
     shards, data_config = worker_datasets(plan.splits, s.num_workers)
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config=loop_config,
+        train_loop_config={"plan": worker_plan},
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=resources,
                                      placement_strategy=s.placement_strategy),

@@ -1,0 +1,45 @@
+"""Logging on a training worker: rank 0's lines (:func:`log_rank0`) and the worker's logging set-up.
+
+Every room of the training phase (``zerolab.train``, ``zerolab.engine``, ``zerolab.snapshot``, ...) logs
+through the one logger here, named ``zerolab.train`` as the loop's lines have always been."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from typing import Any
+
+import torch.distributed as dist
+
+from zerolab.cluster import quiet_ray_data_logging
+
+logger = logging.getLogger("zerolab.train")
+
+
+def log_rank0(msg: str, *args: Any) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.info(msg, *args)
+
+
+def setup_worker_logging(*, own_handler: bool) -> None:
+    """zerolab's lines at INFO, the libraries' at WARNING, no progress bars."""
+    # Its own handler on a Ray worker: Ray has configured the worker's root logger already
+    # (basicConfig would do nothing). The job's own process keeps the job's logging.
+    ours = logging.getLogger("zerolab")
+    if own_handler and not ours.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+        ours.addHandler(handler)
+        ours.propagate = False
+    ours.setLevel(logging.INFO)
+    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "transformers", "peft"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    quiet_ray_data_logging()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # DeepSpeed still calls torch.distributed's deprecated collectives on every step.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_warning()
