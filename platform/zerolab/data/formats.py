@@ -163,6 +163,5 @@ def _parse_json_array(text: str, emit: Any) -> None:
             emit(line, record)
 
 
-
 PARSED_SCHEMA = pa.schema([("path", pa.string()), ("line", pa.int64()), ("record", pa.string()), ("error", pa.string())])
 """The rows :func:`parse_file` gives, as a table."""

@@ -146,7 +146,6 @@ def prepare_split(split: str, path: str, cfg: SFTConfig, model_path: str) -> Pre
     return prepared
 
 
-
 def data_identity(cfg: SFTConfig) -> tuple:
     """What decides a job's prepared splits, compared between a sweep's base job and its trials:
     the data section (``data.packing`` aside: packing happens in the batcher) and the model whose
@@ -201,7 +200,6 @@ def resolve_max_seq_length(cfg: SFTConfig, splits: dict[str, PreparedSplit]) -> 
     return cfg.replace(data=replace(cfg.data, max_seq_length=length))
 
 
-
 def _tokenize_here(files: list[str], model: dict[str, Any], system_prompt: str, max_seq_length: int | None,
                    limit_key: str) -> pa.Table:
     """Parse and tokenize local files in this process, in chunks of rows (one tokenizer call each)."""
@@ -241,7 +239,6 @@ def _tokenize_with_ray_data(files: list[str], model: dict[str, Any], system_prom
     )
     tables = [t for t in ray.get(ds.to_arrow_refs()) if t.num_rows]  # an empty input has no schema
     return pa.concat_tables([t.select(TOKENIZED_SCHEMA.names).cast(TOKENIZED_SCHEMA) for t in tables]) if tables else TOKENIZED_SCHEMA.empty_table()
-
 
 
 def _assemble(table: pa.Table, report: SplitReport) -> PreparedSplit:

@@ -198,7 +198,6 @@ def tokenize_batch(batch: pa.Table, *, model: dict[str, Any], system_prompt: str
                      "labels": pa.array(labels, type=ints), "error": pa.array(errors, type=pa.string())})
 
 
-
 TOKENIZED_SCHEMA = pa.schema([("path", pa.string()), ("line", pa.int64()), ("input_ids", pa.list_(pa.int32())),
                               ("labels", pa.list_(pa.int32())), ("error", pa.string())])
 """The rows :func:`tokenize_batch` gives, as a table."""
