@@ -65,9 +65,13 @@ def main(argv: list[str] | None = None) -> int:
         data = splits = None
         auto = cfg.data.max_seq_length == "auto"
         if args.data or auto:
+            from zerolab.cluster import connect_ray
+            from zerolab.data import needs_ray_data
             from zerolab.models import resolve_model_path
             from zerolab.plan import prepare_data, shard_lengths
 
+            if needs_ray_data(cfg):
+                connect_ray(cfg)
             splits = prepare_data(cfg, resolve_model_path(cfg.model.name_or_path))
             cfg = resolve_max_seq_length(cfg, splits)
             data = shard_lengths(splits, cfg.world_size()) if args.data else None

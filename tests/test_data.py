@@ -390,15 +390,48 @@ def test_prepared_rows_round_trip_through_arrow():
 
 
 @pytest.mark.ray
-def test_ray_data_preparation_gives_the_driver_preparation(ray_cluster, tokenized_cache, tmp_path, tiny_model_path, monkeypatch):
+def test_ray_data_preparation_gives_the_driver_preparation_after_the_jobs_one_connect(
+        _ray_session, tokenized_cache, tmp_path, tiny_model_path, monkeypatch):
+    """Data over DRIVER_MAX_BYTES takes Ray Data: a job of one worker, which starts no Ray for its
+    training, connects once (run_sft) because the data says so; the preparation itself connects nothing."""
+    import ray
+
+    from zerolab import plan, run
+    from zerolab.data import needs_ray_data
+    from zerolab.data import prepare as preparation
+
     path = ner_file(tmp_path / "train.jsonl", rows=40)
     with path.open("a", encoding="utf-8") as f:
         f.write("{oops\n")
     config = ner_config(path, "data.max_bad_fraction=0.1")
     here = prepare_split("train", str(path), config, tiny_model_path)
     shutil.rmtree(tokenized_cache)
-    monkeypatch.setattr(data, "DRIVER_MAX_BYTES", 0)
-    spread = prepare_split("train", str(path), config, tiny_model_path)
+    assert not needs_ray_data(config)
+    monkeypatch.setattr(preparation, "DRIVER_MAX_BYTES", 0)
+    assert needs_ray_data(config)
+
+    ray.shutdown()  # the job starts its own Ray (it runs as the tests' one afterwards: ensure_ray)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(AssertionError, match="Ray is not connected"):
+        prepare_split("train", str(path), config, tiny_model_path)
+    connects, splits = [], {}
+    connect, prepare = run.connect_ray, plan.prepare_data
+
+    class Prepared(Exception):
+        pass
+
+    def prepare_then_stop(*args, **kwargs):
+        splits.update(prepare(*args, **kwargs))
+        raise Prepared
+
+    monkeypatch.setattr(run, "connect_ray", lambda *a, **k: connects.append(a) or connect(*a, **k))
+    monkeypatch.setattr(plan, "prepare_data", prepare_then_stop)
+    job = load_config(None, tiny_overrides(tmp_path, **{"data.task": "ner_json", "data.train_path": path, "data.max_bad_fraction": 0.1,
+                                                         "model.name_or_path": tiny_model_path, "scaling.num_workers": 1}))
+    with pytest.raises(Prepared):
+        run.run_sft(job)
+    spread = splits["train"]
+    assert len(connects) == 1 and ray.is_initialized()
     assert spread.report.prepared_with == "ray data" and not spread.from_cache
     assert np.array_equal(spread.input_ids, here.input_ids) and np.array_equal(spread.offsets, here.offsets)
     assert spread.report.bad_examples == here.report.bad_examples == ["train.jsonl:41: invalid JSON: Expecting property name enclosed in double quotes at column 2"]
@@ -408,21 +441,21 @@ def test_ray_data_preparation_gives_the_driver_preparation(ray_cluster, tokenize
 @pytest.mark.slow
 def test_a_job_trains_when_its_data_files_exist_on_the_driver_only(ray_cluster, tokenized_cache, tmp_path, tiny_model_path, monkeypatch):
     """The workers get their rows through Ray: the data files (and the cache) are gone before they start."""
-    from zerolab import run
+    from zerolab import plan, run
     from zerolab.tasks import generate_dataset
 
     folder = tmp_path / "driver-only"
     train = generate_dataset("math_sum", 96, 3, folder / "train.json")
     evals = generate_dataset("math_sum", 16, 4, folder / "eval.json")
-    prepare = run.prepare_data
+    prepare = plan.prepare_data
 
-    def prepare_then_delete(cfg, model_path):
-        prepared = prepare(cfg, model_path)
+    def prepare_then_delete(cfg, model_path, shared=None):
+        prepared = prepare(cfg, model_path, shared)
         shutil.rmtree(folder)
         shutil.rmtree(tokenized_cache)
         return prepared
 
-    monkeypatch.setattr(run, "prepare_data", prepare_then_delete)
+    monkeypatch.setattr(plan, "prepare_data", prepare_then_delete)
     cfg = load_config(None, tiny_overrides(tmp_path, **{"data.train_path": train, "data.eval_path": evals, "train.max_steps": 4}))
     result = run.run_sft(cfg)
     assert not folder.exists() and result.metrics["step"] == 4 and "eval/loss" in result.metrics

@@ -194,8 +194,8 @@ def needs_ray(cfg: SFTConfig) -> bool:
     worker group. A job of one worker on a machine of its own trains in its own process (Ray
     Train's local mode), for which a Ray instance would do nothing: it starts none (its processes,
     ports and session files; on the 2-core CPU machine its first step came 2-4 s sooner, on an H100
-    host Ray's start hid behind the imports). Ray Data starts one where the job's inputs need it
-    (:func:`zerolab.data.prepare_split`)."""
+    host Ray's start hid behind the imports). The job starts one all the same where its inputs take
+    Ray Data (:func:`zerolab.data.needs_ray_data`)."""
     import ray
 
     return bool(os.environ.get("RAY_ADDRESS")) or ray.is_initialized() or not may_train_in_driver(cfg)

@@ -14,9 +14,9 @@ from typing import Any
 
 from zerolab import ds_config, tracking
 from zerolab.clock import StartupClock
-from zerolab.cluster import reserved_resources, resolve_launch
+from zerolab.cluster import connect_ray, reserved_resources, resolve_launch
 from zerolab.config import ConfigError, SFTConfig
-from zerolab.data import DataError, PreparedSplit, SplitReport, dataset_paths, prepare_split, resolve_max_seq_length
+from zerolab.data import DataError, PreparedSplit, SplitReport, dataset_paths, needs_ray_data, prepare_split, resolve_max_seq_length
 from zerolab.errors import EnvironmentProblem
 from zerolab.memory import load_model_config
 
@@ -215,9 +215,12 @@ def shard_lengths(datasets: dict[str, PreparedSplit], world_size: int) -> Any:
 
 def job_shard_lengths(cfg: SFTConfig) -> Any:
     """The job's shards (``shard_lengths``) from its data as a run would prepare it (its files, or
-    the task's generated ones; the tokenized-data cache when unchanged), without starting workers."""
+    the task's generated ones; the tokenized-data cache when unchanged), without starting workers
+    (Ray is connected where the data takes Ray Data)."""
     from zerolab.models import resolve_model_path
 
+    if needs_ray_data(cfg):
+        connect_ray(cfg)
     splits = prepare_data(cfg, resolve_model_path(cfg.model.name_or_path))
     return shard_lengths(splits, cfg.world_size())
 

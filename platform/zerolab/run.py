@@ -36,7 +36,7 @@ from zerolab.cluster import (
     worker_resources,
 )
 from zerolab.config import ConfigError, SFTConfig
-from zerolab.data import PreparedSplit
+from zerolab.data import PreparedSplit, needs_ray_data
 from zerolab.plan import JobPlan, check_resources, plan_job
 from zerolab.stop import DeadlineReached, Interrupted, StopSignal
 from zerolab.worker_plan import TrackingTarget, WorkerPlan
@@ -99,7 +99,7 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
             clock.mark("run folder and MLflow store checks")
             if may_train_in_driver(cfg):
                 adopt_worker_env(cfg)
-            if needs_ray(cfg):
+            if needs_ray(cfg) or needs_ray_data(cfg):
                 connect_ray(cfg, importing=job_imports(cfg))
                 clock.mark("Ray (the training stack imported meanwhile)")
             else:
