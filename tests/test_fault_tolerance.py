@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 from conftest import REPO, tiny_overrides
 from zerolab.checkpoints import CheckpointError
 from zerolab.config import load_config
-from zerolab.run import EnvironmentProblem, run_sft
+from zerolab.errors import EnvironmentProblem
+from zerolab.run import run_sft
 
 pytestmark = pytest.mark.ray
 
