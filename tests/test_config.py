@@ -142,7 +142,7 @@ def test_every_shipped_job_config_loads():
     assert files, "no job configs shipped"
     import yaml
 
-    from zerolab.tune import load_sweep
+    from zerolab.sweep import load_sweep
 
     for f in files:
         first = f.read_text().splitlines()[0]

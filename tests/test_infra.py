@@ -690,7 +690,7 @@ def test_documented_sft_commands_load():
 
 
 def test_documented_sweeps_use_existing_job_configs_and_sweep_files():
-    from zerolab.tune import load_sweep
+    from zerolab.sweep import load_sweep
 
     readme = (INFRA / "README.md").read_text(encoding="utf-8")
     commands = documented_commands(readme, "jobs/tune.py")

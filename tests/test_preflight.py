@@ -66,7 +66,7 @@ def test_force_lets_a_refused_job_past_the_preflight(ray_cluster, tmp_path, tiny
     datasets = prepare_data(cfg, tiny_model_path)
     with caplog.at_level(logging.WARNING, logger="zerolab"):
         check = check_memory(cfg, load_model_config(cfg), force=True, datasets=datasets)
-    assert "launching anyway (--force): memory preflight: ZeRO-2" in caplog.text
+    assert "launching anyway, as asked: memory preflight: ZeRO-2" in caplog.text
     assert check.estimate.data_aware and check.estimate.seq_len < 32768
     assert check.params()["memory.estimate_by_config"].startswith("worst case by config")
 
