@@ -314,7 +314,7 @@ def random_init_model(shape: str, root: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from zerolab.memory import KNOWN_CONFIGS
+    from zerolab.models import KNOWN_CONFIGS
 
     target = root / f"random-{shape}"
     if (target / "complete").is_file():
@@ -379,10 +379,10 @@ def resolved_overrides(overrides: list[str]) -> list[str]:
 def shape_model_config(shape: str) -> Any:
     """The Hugging Face config of a benchmark shape, without its files (the tiny model's is built)."""
     from zerolab.config import load_config
-    from zerolab.memory import KNOWN_CONFIGS, load_model_config
+    from zerolab.models import KNOWN_CONFIGS, load_model_config
 
     shape_id = SHAPES[shape]
-    return dict(model_type="qwen2", dtype="bfloat16", **KNOWN_CONFIGS[shape_id]) if shape_id else load_model_config(load_config(None, []))
+    return dict(model_type="qwen2", dtype="bfloat16", **KNOWN_CONFIGS[shape_id]) if shape_id else load_model_config(load_config(None, []).model)
 
 
 def predict_overrides(overrides: list[str], shape: str, calibration: Any = None, data: Any = None) -> dict[str, float]:

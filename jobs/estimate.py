@@ -50,18 +50,17 @@ def main(argv: list[str] | None = None) -> int:
         Option,
         format_table,
         largest_micro_batch,
-        load_model_config,
         plan_options,
         recommend,
         worst_case_by_config,
     )
-    from zerolab.models import ModelLoadError
+    from zerolab.models import ModelLoadError, load_model_config
 
     try:
         cfg = load_config(args.config, args.set)
         limits = _limits(args)
         options = _options(args.stages, args.offload)
-        model_config = load_model_config(cfg)
+        model_config = load_model_config(cfg.model)
         data = splits = None
         auto = cfg.data.max_seq_length == "auto"
         if args.data or auto:

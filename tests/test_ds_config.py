@@ -72,7 +72,7 @@ def test_zero3_adapter_prefetch_is_not_cut_short_by_the_live_parameter_cap(model
     use; with Hugging Face's cap of 1e9 (the shipped files' value before) a 7B step's next layer did
     not fit beside them, and its weights were gathered a few at a time. The cap leaves room for
     them and the full prefetch bucket on every known shape."""
-    from zerolab.memory import KNOWN_CONFIGS
+    from zerolab.models import KNOWN_CONFIGS
 
     shape = KNOWN_CONFIGS[model]
     h, vocab = shape["hidden_size"], shape["vocab_size"]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import REPO, rows_of, tiny_overrides
-from zerolab import adapters, ds_config, memory
+from zerolab import adapters, ds_config, memory, models
 from zerolab.config import AdapterSpec, load_config
 from zerolab.memory import GIB, Fit, Limits, MemoryPreflightError, ModelShape, Option
 
@@ -268,8 +268,6 @@ def test_a_cpu_workers_baseline_is_what_its_imports_hold_here_and_the_rest_of_th
     """On CPU a worker's baseline is what its imports hold in this environment (measured once in a
     fresh process: a CUDA build of torch holds some 270 MiB more than the CPU build) plus the rest
     of the process (fitted); a job's estimate moves with the measurement, one per worker."""
-    from zerolab import models
-
     cfg = load_config(None, [])
     cal = memory.DEFAULT_CALIBRATION
 
@@ -394,7 +392,6 @@ def test_a_checkpoint_in_another_dtype_is_converted_on_its_way_to_the_device(tmp
     host pages the estimate's ``host_load_factor_gpu`` was fitted to."""
     from transformers import AutoConfig, Qwen2Config, Qwen2ForCausalLM
 
-    from zerolab import models
     from zerolab.config import ModelSpec
     from zerolab.models import load_model, saved_dtype
 
@@ -632,7 +629,7 @@ def test_preflight_refuses_with_the_estimate_the_limit_and_what_fits():
     fine = memory.preflight(cfg, QWEN25_7B, Limits(gpu_mem_bytes=80 * GIB, gpus_per_node=2, host_mem_bytes=256 * GIB))
     assert fine.option == Option(0)
     default = load_config(None, [])
-    assert memory.preflight(default, memory.load_model_config(default)).option == Option(2)  # this machine, CPU training
+    assert memory.preflight(default, models.load_model_config(default.model)).option == Option(2)  # this machine, CPU training
 
 
 def test_unsupported_model_config_is_a_clear_error():
@@ -729,7 +726,7 @@ def test_host_estimate_matches_a_cpu_run(ray_cluster, tmp_path, extra):
     result = run_sft(cfg)
     measured = result.metrics["mem/host_rss_peak_gib"] * GIB
     # What the run itself predicts and logs: from its data, up to the final save (when the peak is read).
-    predicted = memory.estimate(cfg, memory.load_model_config(cfg), data=job_shard_lengths(cfg)).host_workers_before_save(2)
+    predicted = memory.estimate(cfg, models.load_model_config(cfg.model), data=job_shard_lengths(cfg)).host_workers_before_save(2)
     assert abs(predicted - measured) <= 0.20 * measured, (predicted / GIB, measured / GIB)
 
 

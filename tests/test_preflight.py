@@ -58,14 +58,14 @@ def test_a_job_that_fits_by_its_data_launches(tmp_path, tiny_model_path):
 
 def test_force_lets_a_refused_job_past_the_preflight(ray_cluster, tmp_path, tiny_model_path, caplog):
     from zerolab.config import load_config
-    from zerolab.memory import load_model_config
+    from zerolab.models import load_model_config
     from zerolab.plan import check_memory, prepare_data
 
     cfg = load_config(None, tiny_overrides(tmp_path, **{**HUGE, "train.micro_batch_size": 8,
                                                         "data.train_path": long_rows(tmp_path)}))
     datasets = prepare_data(cfg, tiny_model_path)
     with caplog.at_level(logging.WARNING, logger="zerolab"):
-        check = check_memory(cfg, load_model_config(cfg), force=True, datasets=datasets)
+        check = check_memory(cfg, load_model_config(cfg.model), force=True, datasets=datasets)
     assert "launching anyway, as asked: memory preflight: ZeRO-2" in caplog.text
     assert check.estimate.data_aware and check.estimate.seq_len < 32768
     assert check.params()["memory.estimate_by_config"].startswith("worst case by config")

@@ -61,6 +61,46 @@ def resolve_model_path(name_or_path: str) -> str:
     return name_or_path
 
 
+KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
+    "Qwen/Qwen2.5-0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                              num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "Qwen/Qwen2.5-1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                              num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "Qwen/Qwen2.5-3B": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                            num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "Qwen/Qwen2.5-7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                            num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "Qwen/Qwen2.5-14B": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                             num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+    "Qwen/Qwen2.5-32B": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                             num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+    "Qwen/Qwen2.5-72B": dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+                             num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+}
+"""Shapes of the Qwen2.5 models the shipped job configs use (from their config.json; the
+-Instruct variants share them), so that estimates work offline. Keys: hub ids without -Instruct."""
+
+
+def load_model_config(spec: ModelSpec) -> Any:
+    """The Hugging Face config of the model ``spec`` names: a local folder, ``builtin:tiny-qwen2``
+    (built on first use), a hub id found in the local Hugging Face cache, a hub id in
+    :data:`KNOWN_CONFIGS` (a dict, no network), or else the hub. No weights are read. Raises
+    ModelLoadError."""
+    path = resolve_model_path(spec.name_or_path)
+    kwargs = dict(revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+    if not Path(path).expanduser().exists():
+        try:
+            return AutoConfig.from_pretrained(path, local_files_only=True, **kwargs)
+        except LOAD_ERRORS:
+            known = KNOWN_CONFIGS.get(path.removesuffix("-Instruct"))
+            if known is not None:
+                return {"model_type": "qwen2", "dtype": "bfloat16", **known}
+    try:
+        return AutoConfig.from_pretrained(path, **kwargs)
+    except LOAD_ERRORS as exc:
+        raise ModelLoadError(load_failure(spec.name_or_path, "model config", exc)) from exc
+
+
 def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1
 
@@ -188,7 +228,7 @@ def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, revision=spec.revision, trust_remote_code=spec.trust_remote_code)
     except LOAD_ERRORS as exc:
-        raise ModelLoadError(_load_failure(spec.name_or_path, "tokenizer", exc)) from exc
+        raise ModelLoadError(load_failure(spec.name_or_path, "tokenizer", exc)) from exc
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if not tokenizer.chat_template:
@@ -222,7 +262,7 @@ def load_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | None 
             **({"device_map": {"": str(device)}} if converting else {}),
         )
     except (OSError, ValueError, ImportError) as exc:
-        raise ModelLoadError(_load_failure(spec.name_or_path, "model", exc)) from exc
+        raise ModelLoadError(load_failure(spec.name_or_path, "model", exc)) from exc
     if device is not None:
         model.to(device)
     if spec.gradient_checkpointing:
@@ -261,7 +301,7 @@ def linear_module_names(spec: ModelSpec, config: Any = None) -> set[str]:
             config = AutoConfig.from_pretrained(resolve_model_path(spec.name_or_path), revision=spec.revision,
                                                 trust_remote_code=spec.trust_remote_code)
         except LOAD_ERRORS as exc:
-            raise ModelLoadError(_load_failure(spec.name_or_path, "model config", exc)) from exc
+            raise ModelLoadError(load_failure(spec.name_or_path, "model config", exc)) from exc
     elif isinstance(config, dict):
         config = AutoConfig.for_model(**config)
     with torch.device("meta"):
@@ -269,7 +309,7 @@ def linear_module_names(spec: ModelSpec, config: Any = None) -> set[str]:
     return {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
 
 
-def _load_failure(name: str, what: str, exc: Exception) -> str:
+def load_failure(name: str, what: str, exc: Exception) -> str:
     if Path(name).expanduser().exists():
         hint = f"the folder '{name}' does not hold a loadable Hugging Face {what} (config.json, tokenizer files, weights); point model.name_or_path at the saved model folder"
     else:

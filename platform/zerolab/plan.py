@@ -18,7 +18,6 @@ from zerolab.cluster import connect_ray, reserved_resources, resolve_launch
 from zerolab.config import ConfigError, SFTConfig
 from zerolab.data import DataError, PreparedSplit, SplitReport, dataset_paths, needs_ray_data, prepare_split, resolve_max_seq_length
 from zerolab.errors import EnvironmentProblem
-from zerolab.memory import load_model_config
 
 logger = logging.getLogger("zerolab")
 
@@ -59,10 +58,10 @@ def plan_job(cfg: SFTConfig, *, force: bool = False, clock: StartupClock | None 
     DataError, ModelLoadError or MemoryPreflightError (unless ``force``) for what cannot run.
     ``shared_data``: a sweep's splits for this trial (:func:`prepare_data`); ``launch``: where it
     trains, when already resolved (``cluster.resolve_launch``)."""
-    from zerolab.models import resolve_model_path
+    from zerolab.models import load_model_config, resolve_model_path
 
     model_path = resolve_model_path(cfg.model.name_or_path)
-    model_config = load_model_config(cfg)
+    model_config = load_model_config(cfg.model)
     deepspeed_file = ds_config.config_path(cfg)
     resolved_ds = check_against_model(cfg, model_config, deepspeed_file)
     splits = prepare_data(cfg, model_path, shared_data)
@@ -259,7 +258,7 @@ def cluster_limits(cfg: SFTConfig) -> Any:
 
 
 def check_against_model(cfg: SFTConfig, model_config: Any, deepspeed_file: Path) -> dict[str, Any]:
-    """Checks that need the model's architecture (``model_config``, see ``zerolab.memory.load_model_config``);
+    """Checks that need the model's architecture (``model_config``, see ``zerolab.models.load_model_config``);
     returns the resolved DeepSpeed config. Problems from both are reported together."""
     from zerolab.models import linear_module_names
 

@@ -279,7 +279,7 @@ def _announce_skips(base: SFTConfig, sweep: Sweep, points: list[dict[str, Any]],
     as the trials will check them)."""
     from zerolab import memory
     from zerolab.errors import EnvironmentProblem
-    from zerolab.models import ModelLoadError
+    from zerolab.models import ModelLoadError, load_model_config
     from zerolab.plan import cluster_limits, shard_lengths
 
     limits, model_configs = None, {}
@@ -289,7 +289,7 @@ def _announce_skips(base: SFTConfig, sweep: Sweep, points: list[dict[str, Any]],
             limits = limits or cluster_limits(cfg)
             model = (cfg.model.name_or_path, cfg.model.revision)
             if model not in model_configs:
-                model_configs[model] = memory.load_model_config(cfg)
+                model_configs[model] = load_model_config(cfg.model)
             splits = data.for_trial(cfg)
             memory.preflight(cfg, model_configs[model], limits, data=shard_lengths(splits, cfg.world_size()) if splits else None)
         except memory.MemoryPreflightError as exc:

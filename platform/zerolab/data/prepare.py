@@ -172,13 +172,13 @@ def max_positions(model: dict[str, Any]) -> int | None:
     Raises ModelLoadError."""
     from transformers import AutoConfig
 
-    from zerolab.models import LOAD_ERRORS, ModelLoadError, _load_failure
+    from zerolab.models import LOAD_ERRORS, ModelLoadError, load_failure
 
     try:
         config = AutoConfig.from_pretrained(model["name_or_path"], revision=model["revision"],
                                             trust_remote_code=model["trust_remote_code"])
     except LOAD_ERRORS as exc:
-        raise ModelLoadError(_load_failure(model["name_or_path"], "model config", exc)) from exc
+        raise ModelLoadError(load_failure(model["name_or_path"], "model config", exc)) from exc
     value = getattr(config, "max_position_embeddings", None)
     return value if isinstance(value, int) and value > 0 else None
 

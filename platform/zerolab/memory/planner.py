@@ -1,0 +1,157 @@
+"""Planning: every ZeRO stage × offload option estimated and checked against the machine, the
+fastest that fits recommended, and the largest micro-batch that fits."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+from zerolab.config import ConfigError, SFTConfig, validate
+from zerolab.memory.batch import ShardLengths
+from zerolab.memory.calibration import DEFAULT_CALIBRATION, Calibration
+from zerolab.memory.estimator import estimate
+from zerolab.memory.limits import Limits
+from zerolab.memory.options import ALL_OPTIONS, RELATIVE_STEP_TIME, Estimate, PlanRow, Recommendation
+from zerolab.zero import Option
+
+
+def plan_options(cfg: SFTConfig, model_config: Any, limits: Limits | None = None, *,
+                 options: Iterable[Option] = ALL_OPTIONS, calibration: Calibration = DEFAULT_CALIBRATION,
+                 data: ShardLengths | None = None) -> list[PlanRow]:
+    """Estimate ``cfg`` under each option (stage × offload), on ``data``'s shards when given (see
+    :func:`estimate`); options the config's own validation rejects (e.g. AdaLoRA beyond ZeRO-0)
+    come back with ``invalid`` set and no estimate."""
+    limits = limits or Limits()
+    base_problems = set(validate(cfg))
+    options = list(options)
+    if Option.of(cfg) not in options and options == list(ALL_OPTIONS):
+        options.append(Option.of(cfg))  # the job's own option, e.g. ZeRO-3 offloading the optimizer alone
+    rows = []
+    for option in options:
+        variant = option.apply(cfg)
+        problems = [p for p in validate(variant) if p not in base_problems]
+        if not problems:
+            try:
+                est = estimate(variant, model_config, calibration=calibration, data=data)
+            except ConfigError as exc:  # e.g. no shipped DeepSpeed JSON offloads the optimizer alone under ZeRO-3
+                problems = exc.problems
+        if problems:
+            rows.append(PlanRow(option, None, None, invalid=problems[0].split(";", 1)[0]))
+            continue
+        rows.append(PlanRow(option, est, est.fits(limits)))
+    return rows
+
+
+def recommend(cfg: SFTConfig, model_config: Any, limits: Limits | None = None, *,
+              rows: list[PlanRow] | None = None, calibration: Calibration = DEFAULT_CALIBRATION,
+              data: ShardLengths | None = None) -> Recommendation | None:
+    """The fastest option that fits ``limits`` (ZeRO-2 when it fits; ZeRO-3 and offload only to
+    fit), with the reason. When none fits, tries one worker per available GPU (if the job asks
+    for more workers than there are GPUs), gradient checkpointing, then halving the micro-batch;
+    returns None if even micro-batch 1 with checkpointing does not fit. ``data`` as in
+    :func:`estimate` (a variant with fewer workers has other shards: it gets the worst case by config)."""
+    limits = limits or Limits()
+    rows = rows if rows is not None else plan_options(cfg, model_config, limits, calibration=calibration, data=data)
+    best = _fastest_fitting(rows)
+    if best is not None:
+        return Recommendation(best.option, best.estimate, _reason(best, rows))  # type: ignore[arg-type]
+    base, extra = cfg, ()
+    gpus = (limits.gpus_per_node or 0) * limits.num_nodes
+    if cfg.scaling.use_gpu and limits.gpus_per_node is not None and 0 < gpus < cfg.world_size():
+        base = cfg.replace(scaling=dataclasses.replace(cfg.scaling, num_workers=gpus))
+        extra = (f"scaling.num_workers={gpus}",)
+    attempts: list[tuple[SFTConfig, tuple[str, ...]]] = [(base, extra)] if extra else []
+    ckpt = base.replace(model=dataclasses.replace(base.model, gradient_checkpointing=True))
+    if not cfg.model.gradient_checkpointing:
+        attempts.append((ckpt, (*extra, "model.gradient_checkpointing=true")))
+        extra = (*extra, "model.gradient_checkpointing=true")
+    batch = cfg.train.micro_batch_size // 2
+    while batch >= 1:
+        attempts.append((ckpt.replace(train=dataclasses.replace(cfg.train, micro_batch_size=batch)),
+                         (*extra, f"train.micro_batch_size={batch}")))
+        batch //= 2
+    for variant, changes in attempts:
+        found = _fastest_fitting(plan_options(variant, model_config, limits, options=[r.option for r in rows],
+                                              calibration=calibration, data=data))
+        if found is not None:
+            what = " and ".join(changes)
+            reason = f"no option fits as configured; with {what} {found.option.label} fits ({_fit_figures(found)})"
+            return Recommendation(found.option, found.estimate, reason, changes)  # type: ignore[arg-type]
+    return None
+
+
+def largest_micro_batch(cfg: SFTConfig, model_config: Any, limits: Limits, option: Option, *, limit: int = 512,
+                        calibration: Calibration = DEFAULT_CALIBRATION, data: ShardLengths | None = None) -> int | None:
+    """The largest ``train.micro_batch_size`` (at most ``limit``) with which ``cfg`` under ``option``
+    fits ``limits`` outside the estimator's 10% margin (not :attr:`Fit.tight`); None if not even 1
+    does. Most tokens per micro-batch is what ZeRO-3 needs most: its gathers cost per micro-batch,
+    not per token. Memory grows with the micro-batch, so a doubling search, then bisection, finds it
+    in O(log limit) estimates; on ``data`` each size plans the shards' micro-batches again."""
+    def fits(batch: int) -> bool:
+        variant = option.apply(cfg.replace(train=dataclasses.replace(cfg.train, micro_batch_size=batch)))
+        fit = estimate(variant, model_config, calibration=calibration, data=data).fits(limits)
+        return fit.fits and not fit.tight
+
+    if not fits(1):
+        return None
+    good, bad = 1, None
+    while bad is None and good < limit:
+        trial = min(2 * good, limit)
+        if fits(trial):
+            good = trial
+        else:
+            bad = trial
+    while bad is not None and bad - good > 1:
+        middle = (good + bad) // 2
+        good, bad = (middle, bad) if fits(middle) else (good, middle)
+    return good
+
+
+def _fastest_fitting(rows: list[PlanRow]) -> PlanRow | None:
+    fitting = [r for r in rows if r.fit is not None and r.fit.fits]
+    if not fitting:
+        return None
+    return min(fitting, key=lambda r: (RELATIVE_STEP_TIME[(r.option.stage, r.option.offload)], r.estimate.device_total if r.estimate else 0))
+
+
+def _fit_figures(row: PlanRow) -> str:
+    est = row.estimate
+    assert est is not None and row.fit is not None
+    parts = [r for r in row.fit.reasons if "not checked" not in r]
+    return "; ".join(parts) if parts else est.summary()
+
+
+def _reason(best: PlanRow, rows: list[PlanRow]) -> str:
+    faster = [r for r in rows if r.estimate is not None and RELATIVE_STEP_TIME[(r.option.stage, r.option.offload)]
+              < RELATIVE_STEP_TIME[(best.option.stage, best.option.offload)]]
+    if best.option == Option(2):
+        why = ("the fastest option: no parameter gathering, no offload traffic, and a shorter step than ZeRO-0's "
+               "(measured on one H100, docs/benchmark.md)")
+    elif not faster:
+        why = "the fastest option allowed for this config"
+    else:
+        blocked = ", ".join(f"{r.option.label} ({'not allowed' if r.fit is None else _over(r)})" for r in faster)
+        why = f"the fastest option that fits; faster ones do not: {blocked}"
+        if best.option.offload != "none":
+            why += "; offload makes steps about 2-3× slower"
+    return f"{best.option.label} fits ({_fit_figures(best)}) and is {why}"
+
+
+def _over(row: PlanRow) -> str:
+    assert row.fit is not None
+    over = [r for r in row.fit.reasons if "too much" in r or r.startswith("GPUs:")]
+    return "; ".join(r.replace(" — too much", "") for r in over) or row.fit.verdict
+
+
+def worst_case_by_config(cfg: SFTConfig, model_config: Any, est: Estimate, limits: Limits | None = None, *,
+                         calibration: Calibration = DEFAULT_CALIBRATION) -> str | None:
+    """For a data-aware ``est``: the worst case the config allows, as one line, when its figures
+    differ (None otherwise, and for ``data.max_seq_length: auto``, which only the data decides)."""
+    if not est.data_aware or cfg.data.max_seq_length == "auto":
+        return None
+    worst = estimate(cfg, model_config, calibration=calibration)
+    if worst.summary(limits) == est.summary(limits):
+        return None
+    assert worst.batch is not None
+    return f"worst case by config ({worst.batch.describe().removesuffix(' (the worst case by config)')}): {worst.summary(limits)}"

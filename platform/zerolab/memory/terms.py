@@ -1,0 +1,188 @@
+"""Device terms: what one worker holds on its GPU (or, training on CPU, in host memory) for the
+model's parameters, their gradients and the optimizer — bytes per worker, one function per component."""
+
+from __future__ import annotations
+
+from zerolab.memory.context import EstimateContext
+from zerolab.memory.shapes import PROJECTIONS
+
+
+def weights(job: EstimateContext) -> int:
+    """ZeRO 0-2: every parameter on every rank, P·e. ZeRO-3: persistent parameters whole, the
+    rest ⌈numel/N⌉ each; with parameter offload only the persistent ones stay."""
+    if job.stage < 3:
+        return job.P * job.e
+    total = 0
+    for p in job.inv:
+        if job.persistent(p):
+            total += p.total * job.e
+        elif not job.offload_param:
+            total += job.part(p.numel) * p.count * job.e
+    return total
+
+
+def fp8_weights(job: EstimateContext) -> int:
+    """``model.fp8``: the e4m3 copy of every FP8 projection and its transpose, two bytes per
+    weight, beside the bf16 one."""
+    return 2 * job.shape.num_layers * sum(i * o for i, o in job.fp8_shapes)
+
+
+def fp8_transient(job: EstimateContext) -> int:
+    """``model.fp8``, during a product: the input's (or gradient's) e4m3 copy, B·S·max(in, out) bytes."""
+    return job.tokens * max((max(i, o) for i, o in job.fp8_shapes), default=0)
+
+
+def gathered(job: EstimateContext) -> int:
+    """ZeRO-3 at the start of the backward pass: parameters gathered whole and still held.
+
+    DeepSpeed releases a module's parameters after use unless they are used again within the
+    next ``stage3_max_reuse_distance`` elements of the recorded module trace (forward, then
+    backward, re-running each layer's forward first under gradient checkpointing). Simulating
+    that rule on the trace gives what is held when the loss is computed, plus what is prefetched
+    for what comes next (``_prefetched``). With N = 1 and no parameter offload, gathering is a
+    view of the partition (0 bytes).
+    """
+    if not job.gathers():
+        return 0
+    # Module -> its non-persistent parameters (name, numel); a tied head uses the embedding's.
+    modules: dict[str, list[tuple[str, int]]] = {}
+    for p in job.inv:
+        if not job.persistent(p):
+            key = p.module.removeprefix("layers.")
+            modules.setdefault(key, []).append((p.name, p.numel))
+    if job.shape.tie_word_embeddings:
+        modules["lm_head"] = modules.get("lm_head", []) + [m for m in modules.get("embed_tokens", []) if m[0] == "embed_tokens.weight"]
+    layer_mods = [m for m in PROJECTIONS if m in modules]
+    Step = tuple[str, int | None]
+    forward: list[Step] = [("embed_tokens", None)]
+    forward += [(m, i) for i in range(job.shape.num_layers) for m in layer_mods]
+    forward.append(("lm_head", None))
+    if job.cfg.model.gradient_checkpointing:
+        backward: list[Step] = [("lm_head", None)]
+        for i in reversed(range(job.shape.num_layers)):
+            backward += [(m, i) for m in layer_mods] + [(m, i) for m in reversed(layer_mods)]
+        backward.append(("embed_tokens", None))
+    else:
+        backward = list(reversed(forward))
+    trace = forward + backward
+
+    def params_of(step: Step) -> list[tuple[tuple[str, int | None], int]]:
+        name, layer = step
+        return [((pname, layer), numel) for pname, numel in modules.get(name, [])]
+
+    held: dict[tuple[str, int | None], int] = {}
+    peak_step = len(forward) - 1  # the head's forward: the loss follows and the backward starts
+    for k in range(peak_step + 1):
+        for pid, numel in params_of(trace[k]):
+            held[pid] = numel * job.e
+        if k == peak_step:
+            break
+        candidates = {pid for pid, _ in params_of(trace[k])}
+        traversed = 0
+        for later in trace[k + 1:]:
+            if traversed >= job.knobs.max_reuse_distance or not candidates:
+                break
+            for pid, numel in params_of(later):
+                candidates.discard(pid)
+                traversed += numel
+        for pid in candidates:
+            held.pop(pid, None)
+    return sum(held.values()) + _prefetched(job)
+
+
+def _layer_gathered(job: EstimateContext) -> int:
+    """One decoder layer's non-persistent parameters, whole: e·Σ numel."""
+    return sum(p.numel * job.e for p in job.inv if p.module.startswith("layers.") and not job.persistent(p))
+
+
+def _prefetched(job: EstimateContext) -> int:
+    """Parameters DeepSpeed fetches ahead of their use: one prefetch bucket (``stage3_prefetch_bucket_size``·e)."""
+    return job.knobs.prefetch_bucket_size * job.e
+
+
+def gathered_at_start(job: EstimateContext) -> int:
+    """ZeRO-3 at the first decoder layer of the forward pass: the embeddings whole, the first
+    layer and one prefetch bucket (the next layer, at zerolab's bucket size); with Liger's fused
+    loss the output head's weight as well (the loss reads it outside the head module, so
+    DeepSpeed keeps it gathered into the next step); with parameter offload over N > 1 ranks,
+    the partition copied to the GPU for a gather in flight, ⌈numel/N⌉·e of the largest
+    parameter. Measured with ``bench/memory_trace.py`` (7B LoRA, parameter offload, 2 GPUs:
+    the step's peak is here; ``docs/benchmark/results/h200x2-4/memory_trace.txt``)."""
+    if not job.gathers():
+        return 0
+    big = {p.module: p.numel for p in job.inv if p.module in ("embed_tokens", "lm_head") and not p.adapter}
+    held = big.get("embed_tokens", 0) + (big.get("lm_head", 0) if job.fused_loss else 0)
+    staging = job.part(max(p.numel for p in job.inv if not job.persistent(p))) if job.offload_param and job.n > 1 else 0
+    return job.e * (held + staging) + _layer_gathered(job) + _prefetched(job)
+
+
+def master_weights(job: EstimateContext) -> int:
+    """fp32 copies of the trainable parameters: ZeRO-0 keeps 4·T when training in bf16/fp16 (none
+    in fp32); ZeRO 1-3 keep this rank's partition, 4·⌈T/N⌉, in any precision. Offload: on host."""
+    if job.stage == 0:
+        return 4 * job.T if job.e != 4 else 0
+    return 0 if job.offload_opt else 4 * job.part(job.T)
+
+
+def optimizer_states(job: EstimateContext) -> int:
+    """AdamW's exp_avg and exp_avg_sq in fp32: 8·T (ZeRO-0) or 8·⌈T/N⌉; on host under offload.
+    AdaLoRA adds its rank allocator's three fp32 importance tensors per adapter weight (12·T)."""
+    states = 0 if job.offload_opt else 8 * (job.T if job.stage == 0 else job.part(job.T))
+    if job.cfg.adapter.method == "adalora":
+        states += 12 * job.T
+    return states
+
+
+def gradients(job: EstimateContext) -> int:
+    """Gradients alive after the backward pass (DeepSpeed 0.19, ``stage_1_and_2.py``).
+
+    ZeRO-0: every trainable parameter's gradient, T·e. ZeRO-2 (``partition_gradients``): each
+    gradient is reduced in the backward hooks as it is produced; this rank's partition is kept,
+    ⌈T/N⌉·e (``copy_grads_in_partition`` into ``grads_in_partition``), or streamed to the host under
+    optimizer offload (0). ZeRO-1 reduces in the hooks only at the accumulation boundary and only
+    with ``overlap_comm`` (``process_gradients``, ``reduce_ready_partitions_and_remove_grads``) and
+    with ``contiguous_gradients`` (which offload forces on) points the other ranks' gradients into
+    the reduce buckets: then as ZeRO-2; otherwise — micro-batches before the boundary under gradient
+    accumulation, or ``overlap_comm`` off — every gradient stays whole on the GPU, T·e, with or
+    without offload. ZeRO-3: the flat partition buffer, ⌈T/N⌉·e (0 under offload)."""
+    if job.stage == 0:
+        return job.T * job.e
+    if job.stage == 1:
+        k = job.knobs
+        reduced_in_hooks = k.overlap_comm and job.cfg.train.grad_accum_steps == 1
+        if not reduced_in_hooks or not (k.contiguous_gradients or job.offload_opt):
+            return job.T * job.e
+    if job.offload_opt:
+        return 0
+    return job.part(job.T) * job.e
+
+
+def offload_gradient_buffer(job: EstimateContext) -> int:
+    """ZeRO 1-2 with optimizer offload: the GPU buffer through which each gradient goes to the host,
+    ``temp_grad_buffer_for_gpu_offload``, as large as the largest trainable parameter (e bytes
+    each), allocated with the optimizer and held for the whole run."""
+    return job.largest_trainable() * job.e if job.offload_opt and job.stage in (1, 2) else 0
+
+
+def deepspeed_buffers(job: EstimateContext) -> int:
+    """Reduction and staging buffers at the optimizer step. ZeRO-0, N > 1: the flattened bucket
+    of the gradient all-reduce, min(T, 5e8)·e; in bf16/fp16 the fp32 gradient copies the step
+    reads, 4·T. ZeRO 1-2: reduce buckets (two with overlap_comm) of reduce_bucket_size·e and the
+    fp32 gradient partition of the step, 4·⌈T/N⌉. ZeRO-3: one reduce bucket and the fp32
+    gradient partition, which the step makes from a flattened 16-bit copy of the gradients
+    (``_prepare_fp32_grad_for_sub_group``: e·⌈T/N⌉ more while both exist; in fp32 the copy is the
+    partition itself). Offload: the buckets only (the gradient staging buffer is held all along:
+    :func:`offload_gradient_buffer`)."""
+    e, k = job.e, job.knobs
+    if job.stage == 0:
+        allreduce = min(job.T, 500_000_000) * e if job.n > 1 else 0
+        return allreduce + (4 * job.T if e != 4 else 0)
+    buckets = (2 if k.overlap_comm and job.stage < 3 else 1) * min(k.reduce_bucket_size, max(job.T, 1)) * e
+    if job.offload_opt:
+        return buckets
+    flattened = e * job.part(job.T) if job.stage == 3 and e != 4 else 0
+    return buckets + 4 * job.part(job.T) + flattened
+
+
+def framework(job: EstimateContext) -> int:
+    return job.cal.framework_device_bytes if job.gpu else 0
