@@ -36,6 +36,7 @@ from zerolab.config import SFTConfig
 from zerolab.errors import UserError
 from zerolab.integrity import json_problem, safetensors_problem
 from zerolab.stop import shielded
+from zerolab.tracking import mask_params, mask_text
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +270,6 @@ def check_storage(storage_path: str) -> None:
     """Fail before anything starts when ``storage_path`` cannot hold run folders: an unknown or
     malformed URI, a bucket that does not exist, credentials the store refuses, a path that names a
     file, a read-only or full filesystem. A small file is written and removed to prove it."""
-    from zerolab.tracking import mask_text
 
     shown = mask_text(storage_path)
     try:
@@ -308,7 +308,6 @@ def check_storage(storage_path: str) -> None:
 
 def _reason(exc: BaseException) -> str:
     """An error's first line, credentials masked."""
-    from zerolab.tracking import mask_text
 
     text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
     return mask_text(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
@@ -389,7 +388,6 @@ def _check_same_training(cfg: SFTConfig, folder: RunFolder, record: RunRecord, *
     """A key the record lacks came with a later zerolab: only a value other than its default
     changes what is trained. A key the record has and zerolab no longer knows cannot be set any more.
     Both sides are compared masked, as the record stores them."""
-    from zerolab.tracking import mask_params
 
     now, default = mask_params(cfg.flat()), mask_params(SFTConfig().flat())
     saved = record.config

@@ -8,6 +8,10 @@ import sys
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+from zerolab.errors import UserError, root_cause
+from zerolab.stop import DeadlineReached, Interrupted, signals_interrupt
+from zerolab.tracking import mask_text
+
 USER_ERROR = 2
 """Exit code for problems the user can fix (config, data, model, environment, run folder): nothing ran."""
 TRAINING_FAILED = 1
@@ -33,9 +37,6 @@ def run_job(job: Callable[[], Any], *, command: Sequence[str] | None = None, rem
     :data:`REMEDIES` the job offers, end a user error's message with their flags."""
     from ray.train import TrainingFailedError
 
-    from zerolab.errors import UserError, root_cause
-    from zerolab.stop import DeadlineReached, Interrupted, signals_interrupt
-    from zerolab.tracking import mask_text
 
     try:
         with signals_interrupt():
@@ -64,7 +65,6 @@ def resume_hint(command: Sequence[str] | None, run_name: str | None) -> str:
 
 
 def summary(result: Any) -> str:
-    from zerolab.tracking import mask_text
 
     lines = [
         "",

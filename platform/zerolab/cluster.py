@@ -20,6 +20,7 @@ from typing import Any
 
 import zerolab
 from zerolab.config import SFTConfig
+from zerolab.ds_config import DS_CONFIG_DIR
 from zerolab.errors import EnvironmentProblem
 
 logger = logging.getLogger("zerolab.cluster")
@@ -119,7 +120,6 @@ def _connect(cfg: SFTConfig, address: str, log_to_driver: bool) -> None:
     import ray
 
     env_vars = worker_env(cfg)
-    from zerolab.ds_config import DS_CONFIG_DIR
 
     # ds_configs/ travels too: a Tune trial resolves its DeepSpeed JSON on whichever node it runs.
     modules = [str(Path(zerolab.__file__).parent), *([str(DS_CONFIG_DIR)] if DS_CONFIG_DIR.is_dir() else [])]

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from zerolab import tracking
+from zerolab.data import dataset_paths
 from zerolab.errors import EvaluationError
 from zerolab.generation import (
     DTYPES,
@@ -139,7 +141,6 @@ def options_for(target: Target, *, task: str | None = None, data_path: str | Non
 def log_report(report: EvalReport, uri: str, run_id: str, *, step: int = 0) -> None:
     """Metrics (``eval/*``), the per-example table (``mlflow.log_table``: ``eval/examples.json``)
     and the files of :meth:`EvalReport.write` (under ``eval/``) into the MLflow run ``run_id``."""
-    from zerolab import tracking
 
     tracking.MetricsLogger(uri, run_id).log({k: v for k, v in report.metrics().items() if math.isfinite(v)}, step=step)
     rows = report.table()
@@ -152,7 +153,6 @@ def log_report(report: EvalReport, uri: str, run_id: str, *, step: int = 0) -> N
 def log_eval_run(report: EvalReport, target: Target, uri: str, *, experiment: str | None = None, run_name: str | None = None) -> str:
     """Record a standalone evaluation as its own MLflow run (tagged with the training run it
     evaluates) in ``experiment``, else the training run's experiment, else ``zerolab``; returns its id."""
-    from zerolab import tracking
 
     if experiment is None:
         experiment = tracking.mlflow_client(uri).get_experiment(target.experiment_id).name if target.experiment_id else "zerolab"
@@ -180,7 +180,6 @@ def default_run_name(target: Target) -> str:
 def evaluate_after_training(cfg: Any, uri: str, run_id: str, tuned_folder: str | Path, *, step: int = 0) -> EvalReport:
     """The ``eval`` section of a training job: evaluate what was just trained (against its base
     with ``eval.compare_base``) on the job's eval split and log it into the training run."""
-    from zerolab.data import dataset_paths
 
     e = cfg.eval
     tuned, kind = find_model_folder(Path(tuned_folder), str(tuned_folder))

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from zerolab.config import ModelSpec
 from zerolab.errors import EvaluationError
 from zerolab.generation import DTYPES, MERGEABLE_METHODS, DType, adapter_method, apply_adapter, check_target_files
 from zerolab.reference import Target
@@ -21,7 +22,6 @@ def export_merged(target: Target, output: str | Path, *, dtype: DType = "auto", 
     Returns what was written and the check's figures."""
     from transformers import AutoModelForCausalLM
 
-    from zerolab.config import ModelSpec
     from zerolab.models import load_model, load_tokenizer
 
     output = Path(output).expanduser()

@@ -26,9 +26,13 @@ from typing import Any, Literal
 
 import torch
 
+from zerolab.cluster import quiet_ray_data_logging
+from zerolab.config import ModelSpec
+from zerolab.data import DataError, RowError, list_data_files, parse_file, prompt_and_target
 from zerolab.errors import EvaluationError, EvaluationInput
+from zerolab.integrity import folder_problems
 from zerolab.reference import LoadSpec, Target
-from zerolab.tasks import get_task
+from zerolab.tasks import generate_dataset, get_task
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +65,6 @@ class Example:
 def load_examples(path: str, task: str, *, system_prompt: str | None = None, limit: int | None = None) -> list[Example]:
     """The rows of an eval file (any of the training data formats) as prompts and references, in
     file order; the first ``limit`` when given. Malformed rows are skipped with a warning."""
-    from zerolab.data import DataError, RowError, list_data_files, parse_file, prompt_and_target
 
     system = system_prompt if system_prompt is not None else get_task(task).system_prompt
     examples: list[Example] = []
@@ -91,7 +94,6 @@ def default_eval_path(task: str, num_rows: int, seed: int) -> str:
     """The task's generated eval split: the same file (and seed) a training run with generated
     data holds out, so a tuned model is scored on the rows its run evaluated."""
     from zerolab.models import cache_dir
-    from zerolab.tasks import generate_dataset
 
     spec = get_task(task)
     if spec.generate is None:
@@ -134,7 +136,6 @@ class Generator:
 
     def __init__(self, spec: dict[str, Any], *, device: str, dtype: str, max_new_tokens: int, batch_size: int = 1,
                  adapter_files: dict[str, bytes] | None = None) -> None:
-        from zerolab.config import ModelSpec
         from zerolab.models import load_model, load_tokenizer
 
         self.spec = LoadSpec(**spec)
@@ -263,7 +264,6 @@ def check_saved_files(folder: str | Path, what: str, *, input: EvaluationInput =
     ``*.json``) in ``folder``, which the message calls ``what`` (``the adapter runs:/<id>``).
     Reads only the files' headers: this runs before any model is loaded, where a truncated file
     would otherwise fail deep inside safetensors or peft, after the base model was evaluated."""
-    from zerolab.integrity import folder_problems
 
     folder = Path(folder)
     damaged = folder_problems(folder)
@@ -363,7 +363,6 @@ def _generate_on_actors(spec: LoadSpec, examples: Sequence[Example], batches: li
                         device: str, dtype: str, workers: int) -> tuple[dict[int, tuple[list[str], list[int]]], list[dict[str, float]]]:
     import ray.data
 
-    from zerolab.cluster import quiet_ray_data_logging
 
     quiet_ray_data_logging()
     kind = "GPU" if device == "cuda" else "CPU"

@@ -23,6 +23,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from zerolab.config import BUILTIN_TINY_MODEL, ModelSpec
 from zerolab.errors import UserError
+from zerolab.kernels import resolve_attention
+from zerolab.tasks import TASKS, math_sum, ner_json
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +153,6 @@ def build_tiny_model(root: Path | None = None) -> Path:
 def _pretraining_text(rng: random.Random) -> str:
     """Plain text a base model would have seen: sums and entity sentences, no chat format, no
     answer prefix. Fine-tuning has to teach the format; the content is already familiar."""
-    from zerolab.tasks import math_sum, ner_json
 
     if rng.random() < 0.6:
         x = rng.randint(2, math_sum.MAX_X)
@@ -191,7 +192,6 @@ def _train_tiny_tokenizer() -> PreTrainedTokenizerBase:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from zerolab.tasks import TASKS
 
     corpus: list[str] = []
     for task in TASKS.values():
@@ -246,7 +246,6 @@ def load_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | None 
     the pages being read; one in another dtype is converted tensor by tensor on its way to the
     device (7B bf16 checkpoint in fp32: 16 GiB of host RSS, against 44 GiB when converted whole on
     the host first)."""
-    from zerolab.kernels import resolve_attention
 
     path = resolve_model_path(spec.name_or_path)
     try:

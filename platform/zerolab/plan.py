@@ -12,12 +12,22 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from zerolab import ds_config, tracking
+from zerolab import ds_config, memory, tracking
 from zerolab.clock import StartupClock
 from zerolab.cluster import connect_ray, reserved_resources, resolve_launch
 from zerolab.config import ConfigError, SFTConfig
-from zerolab.data import DataError, PreparedSplit, SplitReport, dataset_paths, needs_ray_data, prepare_split, resolve_max_seq_length
+from zerolab.data import (
+    DataError,
+    PreparedSplit,
+    SplitReport,
+    dataset_paths,
+    needs_ray_data,
+    prepare_split,
+    resolve_max_seq_length,
+    shard_rows,
+)
 from zerolab.errors import EnvironmentProblem
+from zerolab.memory import Limits, ShardLengths
 
 logger = logging.getLogger("zerolab")
 
@@ -174,7 +184,6 @@ def check_memory(cfg: SFTConfig, model_config: Any, *, force: bool = False, data
     ``force`` launches anyway, with a warning. Models the estimator does not know are let through."""
     import ray
 
-    from zerolab import memory
 
     calibration = memory.DEFAULT_CALIBRATION if ray.is_initialized() else memory.without_ray()
     try:
@@ -202,8 +211,6 @@ def check_memory(cfg: SFTConfig, model_config: Any, *, force: bool = False, data
 def shard_lengths(datasets: dict[str, PreparedSplit], world_size: int) -> Any:
     """The token length of every row of each rank's shards (a ``zerolab.memory.ShardLengths``), as
     :func:`zerolab.data.shard_rows` deals them to the workers."""
-    from zerolab.data import shard_rows
-    from zerolab.memory import ShardLengths
 
     def by_rank(split: PreparedSplit, equal: bool) -> list[list[int]]:
         return [split.lengths[rows].tolist() for rows in shard_rows(split.num_rows, world_size, equal=equal)]
@@ -233,7 +240,6 @@ def cluster_limits(cfg: SFTConfig) -> Any:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from zerolab.memory import Limits
 
     if not ray.is_initialized():  # the job trains in this process (cluster.needs_ray)
         return Limits.detect()

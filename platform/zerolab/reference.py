@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from zerolab import tracking
 from zerolab.errors import EvaluationError
 from zerolab.integrity import json_problem
 
@@ -131,7 +132,6 @@ def find_model_folder(folder: Path, ref: str) -> tuple[Path, Literal["adapter", 
 
 
 def _get_run(uri: str, run_id: str, ref: str) -> Any:
-    from zerolab import tracking
 
     try:
         return tracking.get_run(uri, run_id)
@@ -143,7 +143,6 @@ def _get_run(uri: str, run_id: str, ref: str) -> Any:
 
 
 def _download(artifact_uri: str, uri: str, dst: Path, ref: str) -> Path:
-    from zerolab import tracking
 
     try:
         return tracking.download(artifact_uri, uri, dst)
@@ -156,7 +155,6 @@ def _download(artifact_uri: str, uri: str, dst: Path, ref: str) -> Path:
 
 def _download_model_version(ref: str, uri: str, download_dir: Path) -> tuple[Path, str | None]:
     """Download a registered version's ``source``, falling back to ``runs:/<run_id>/adapter``."""
-    from zerolab import tracking
 
     body = ref[len("models:/"):].strip("/")
     alias: str | None = None

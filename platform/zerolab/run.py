@@ -36,7 +36,7 @@ from zerolab.cluster import (
     worker_resources,
 )
 from zerolab.config import ConfigError, SFTConfig
-from zerolab.data import PreparedSplit, needs_ray_data
+from zerolab.data import PreparedSplit, needs_ray_data, worker_datasets
 from zerolab.plan import JobPlan, check_resources, plan_job
 from zerolab.stop import DeadlineReached, Interrupted, StopSignal
 from zerolab.worker_plan import TrackingTarget, WorkerPlan
@@ -319,7 +319,6 @@ def build_trainer(plan: JobPlan, uri: str | None, run_id: str | None, stop_flag:
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from zerolab.data import worker_datasets
     from zerolab.placement import InDriver
     from zerolab.train import train_loop_per_worker
 

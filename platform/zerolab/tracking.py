@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zerolab.config import RunSpec
 from zerolab.errors import UserError
 from zerolab.stop import shielded
 
@@ -41,7 +42,6 @@ def tracking_uri(configured: str | None, storage_path: str | None = None) -> str
     record lives as long as the runs it describes: not in a working directory that ``ray job
     submit`` deletes with the Ray session. ``storage_path`` defaults to ``run.storage_path``'s default.
     Relative SQLite paths are made absolute, so workers find them."""
-    from zerolab.config import RunSpec
 
     storage_path = storage_path or RunSpec.storage_path
     uri = configured or os.environ.get("MLFLOW_TRACKING_URI")

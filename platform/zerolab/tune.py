@@ -38,9 +38,15 @@ from typing import Any
 import yaml
 from ray.tune import Callback
 
-from zerolab import tracking
+from zerolab import compare, memory, tracking
+from zerolab.checkpoints import RunFinished
+from zerolab.cluster import connect_ray, may_train_in_driver, shutdown_ray, worker_resources
+from zerolab.compare import format_value, run_labels
 from zerolab.config import ConfigError, SFTConfig
-from zerolab.errors import root_cause
+from zerolab.data import data_identity
+from zerolab.errors import EnvironmentProblem, root_cause
+from zerolab.plan import cluster_limits, prepare_data, shard_lengths
+from zerolab.run import run_sft
 from zerolab.sweep import Sweep, SweepError, base_config, save_definition, sweep_dict, sweep_path, trial_config, validate_space
 
 logger = logging.getLogger("zerolab.tune")
@@ -71,7 +77,6 @@ def trains_in_trial(base: SFTConfig, sweep: Sweep) -> bool:
     worker, no retries, the same for every point): the actor then reserves the worker's CPUs/GPU,
     and Tune reuses it for the next trial, so a trial after the first starts with its imports
     done and no worker group to form."""
-    from zerolab.cluster import may_train_in_driver
 
     return may_train_in_driver(base) and not any(d.key in LAUNCH_KEYS for d in sweep.space)
 
@@ -98,14 +103,11 @@ class SweepData:
     @classmethod
     def prepare(cls, base: SFTConfig) -> SweepData:
         """Raises DataError (or ModelLoadError) for data no trial could train on."""
-        from zerolab.data import data_identity
         from zerolab.models import resolve_model_path
-        from zerolab.plan import prepare_data
 
         return cls(data_identity(base), prepare_data(base, resolve_model_path(base.model.name_or_path)))
 
     def for_trial(self, cfg: SFTConfig) -> dict[str, Any] | None:
-        from zerolab.data import data_identity
 
         return self.splits if data_identity(cfg) == self.identity else None
 
@@ -116,9 +118,6 @@ def trial_function(config: dict[str, Any], *, base: SFTConfig, sweep: Sweep, dat
     launching workers."""
     import ray.tune
 
-    from zerolab import memory
-    from zerolab.checkpoints import RunFinished
-    from zerolab.run import run_sft
 
     trial_id = ray.tune.get_context().get_trial_id()
     cfg = trial_config(base, sweep, config, run_name=f"{sweep.name}-{trial_id}")
@@ -144,7 +143,6 @@ def run_sweep(base: SFTConfig, sweep: Sweep, *, resume: bool = False, out_dir: s
     from ray.tune import RunConfig as TuneRunConfig
     from ray.tune import TuneConfig, Tuner
 
-    from zerolab.cluster import connect_ray, shutdown_ray, worker_resources
 
     base_cfg = base_config(base, sweep)
     points = validate_space(base_cfg, sweep)
@@ -277,10 +275,7 @@ def resumable(base: SFTConfig, sweep: Sweep) -> bool:
 def _announce_skips(base: SFTConfig, sweep: Sweep, points: list[dict[str, Any]], data: SweepData) -> None:
     """Before the sweep: which grid points the memory estimator says will not fit (by their data,
     as the trials will check them)."""
-    from zerolab import memory
-    from zerolab.errors import EnvironmentProblem
     from zerolab.models import ModelLoadError, load_model_config
-    from zerolab.plan import cluster_limits, shard_lengths
 
     limits, model_configs = None, {}
     for point in points:
@@ -416,7 +411,6 @@ def results_table(rows: list[TrialRow], sweep: Sweep) -> tuple[list[str], list[l
     """Ranked: rank, run (its label: the values that differ, e.g. ``ZeRO-3 + offload, r=16``), each
     space key, objective, tokens/s, peak GPU/host memory, utilisation, losses, wall time with
     start-up and training apart (the columns some trial has), status, trial id."""
-    from zerolab.compare import format_value, run_labels
 
     keys = [d.key for d in sweep.space]
     extra = [(c, m) for c, m in RESULT_COLUMNS if m != sweep.metric and any(r.metrics.get(m) is not None for r in rows)]
@@ -435,7 +429,6 @@ def write_results(rows: list[TrialRow], sweep: Sweep, uri: str, experiment: str,
     ``out`` and as parent-run artifacts; returns their paths."""
     import csv
 
-    from zerolab import compare
 
     out.mkdir(parents=True, exist_ok=True)
     try:

@@ -37,7 +37,8 @@ import zerolab
 from zerolab.cluster import adopt_worker_env, connect_ray, import_now, job_imports, may_train_in_driver, reserved_resources, worker_env
 from zerolab.config import SFTConfig
 from zerolab.errors import EnvironmentProblem, UserError
-from zerolab.stop import log_stop_requested, stop_flag_actor
+from zerolab.run import run_sft
+from zerolab.stop import Interrupted, log_stop_requested, stop_flag_actor
 
 logger = logging.getLogger(__name__)
 
@@ -201,8 +202,6 @@ class WarmTrainer:
     def run(self, cfg: SFTConfig, kwargs: dict[str, Any], cwd: str, env: dict[str, str]) -> Iterator[tuple[str, Any]]:
         """``run_sft`` on a thread, in the job's working directory and environment; yields
         ("log", record attributes) as the job's log records come, then ("result", RunResult) or ("error", exc)."""
-        from zerolab.run import run_sft
-        from zerolab.stop import Interrupted
 
         self.busy, self.keep_warm_s = True, cfg.scaling.keep_warm_s
         self.jobs += 1

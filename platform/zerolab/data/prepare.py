@@ -29,6 +29,7 @@ from zerolab.config import SFTConfig
 from zerolab.data.formats import MAX_EXAMPLES, PARSED_SCHEMA, SUPPORTED_SUFFIXES, DataError, fingerprint, parse_file, scan_data_files
 from zerolab.data.prepared import PreparedSplit, SplitReport
 from zerolab.data.tokens import TOKENIZED_SCHEMA, tokenize_batch, tokenizer_fingerprint
+from zerolab.tasks import generate_dataset, get_task
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,6 @@ inputs of tens of MB; above this line a single process would also hold every row
 def dataset_paths(cfg: SFTConfig) -> dict[str, str]:
     """The files of each split: the configured ones, or task-generated ones (made once, cached)."""
     from zerolab.models import cache_dir
-    from zerolab.tasks import generate_dataset, get_task
 
     d = cfg.data
     task = get_task(d.task)
@@ -105,7 +105,6 @@ def prepare_split(split: str, path: str, cfg: SFTConfig, model_path: str) -> Pre
     fraction of bad rows exceeds ``data.max_bad_fraction``.
     """
     from zerolab.models import cache_dir
-    from zerolab.tasks import get_task
 
     key_name = "data.train_path" if split == "train" else "data.eval_path"
     files, skipped = scan_data_files(path)

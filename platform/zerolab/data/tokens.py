@@ -14,6 +14,7 @@ from typing import Any
 import pyarrow as pa
 
 from zerolab.batches import IGNORE_INDEX
+from zerolab.config import ModelSpec
 
 
 class RowError(ValueError):
@@ -180,7 +181,6 @@ def tokenize_rows(tokenizer: Any, records: list[str | None], errors: list[str | 
 
 @functools.lru_cache(maxsize=4)
 def _cached_tokenizer(name_or_path: str, revision: str | None, trust_remote_code: bool) -> Any:
-    from zerolab.config import ModelSpec
     from zerolab.models import load_tokenizer
 
     return load_tokenizer(ModelSpec(name_or_path=name_or_path, revision=revision, trust_remote_code=trust_remote_code))
