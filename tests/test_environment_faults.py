@@ -165,6 +165,7 @@ def test_a_relaunch_on_changed_data_is_refused_unless_accepted(tmp_path, caplog)
 
 def test_a_signal_during_a_record_write_waits_for_the_write():
     events = []
+    before = signal.getsignal(signal.SIGTERM)
     with stop.signals_interrupt():
         with pytest.raises(KeyboardInterrupt):
             with stop.shielded():
@@ -176,7 +177,7 @@ def test_a_signal_during_a_record_write_waits_for_the_write():
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(1)
     assert events == ["write finished", "interrupted after it"]
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
+    assert signal.getsignal(signal.SIGTERM) is before  # handlers restored
 
 
 # --- jobs ---------------------------------------------------------------------------------------

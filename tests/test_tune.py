@@ -146,7 +146,7 @@ def test_grid_over_stage_rank_and_batch_gives_one_child_run_per_trial(tmp_path, 
 
     assert [r.status for r in rows] == ["FINISHED"] * 8
     assert [r.objective for r in rows] == sorted((r.objective for r in rows), reverse=True)  # ranked by tokens/s
-    uri = base["tracking"]["uri"]
+    uri = base.tracking.uri
     parent, children = child_runs(uri, "grid")
     assert parent.info.status == "FINISHED" and len(children) == 8
     assert sorted((c.data.params["deepspeed.stage"], c.data.params["adapter.r"], c.data.params["train.micro_batch_size"])
@@ -183,7 +183,7 @@ def test_failing_and_infeasible_trials_are_reported_and_the_sweep_goes_on(tmp_pa
     assert by["builtin:tiny-qwen2"].status == "FINISHED"
     assert by[str(huge)].status == "SKIPPED" and "memory preflight" in by[str(huge)].note
     assert by[str(tmp_path / "no-such-model")].status == "ERROR" and "no-such-model" in by[str(tmp_path / "no-such-model")].note
-    _, children = child_runs(base["tracking"]["uri"], "mixed")
+    _, children = child_runs(base.tracking.uri, "mixed")
     skipped = [c for c in children if "zerolab.skipped" in c.data.tags]
     assert len(skipped) == 1 and skipped[0].info.status == "KILLED"
     (finished,) = [c for c in children if c.info.status == "FINISHED"]
@@ -205,7 +205,7 @@ def test_asha_stops_poor_trials_early(tmp_path, tiny_model_path):
         statuses[r.params["train.lr"]].append((r.status, r.metrics.get("step")))
     assert statuses[3e-3] == [("FINISHED", 8)]
     assert all(status == "STOPPED" and step < 8 for status, step in statuses[1e-7])
-    uri = base["tracking"]["uri"]
+    uri = base.tracking.uri
     _, children = child_runs(uri, "asha")
     assert sorted(c.info.status for c in children) == ["FINISHED", "KILLED", "KILLED"]
     from mlflow import MlflowClient
@@ -217,7 +217,7 @@ def test_asha_stops_poor_trials_early(tmp_path, tiny_model_path):
 @pytest.mark.ray
 @pytest.mark.slow
 def test_killed_sweep_resumes_without_repeating_finished_trials(tmp_path, tiny_model_path):
-    config = write(tmp_path, "base.yaml", base_job(tmp_path, **{"train.max_steps": 4}))
+    config = write(tmp_path, "base.yaml", base_job(tmp_path, **{"train.max_steps": 4}).to_dict())
     space = write(tmp_path, "space.yaml", {"name": "resumable", "max_concurrent_trials": 1,
                                            "space": {"adapter.r": {"grid": [2, 4, 8]}}})
     cmd = [sys.executable, str(REPO / "jobs" / "tune.py"), "--config", str(config), "--space", str(space), "--out", str(tmp_path / "out")]
@@ -265,7 +265,7 @@ def interrupted_sweep(tmp_path_factory, tiny_model_path):
     the sweep's folder."""
     tmp = tmp_path_factory.mktemp("interrupted")
     config = write(tmp, "base.yaml", base_job(tmp, **{"train.max_steps": 30, "train.log_every_n_steps": 5,
-                                                     "train.checkpoint_every_n_steps": 5}))
+                                                     "train.checkpoint_every_n_steps": 5}).to_dict())
     space = write(tmp, "space.yaml", {"name": "ctrl-c", "space": {"deepspeed.zero": {"grid": ["0", "2"]}, "adapter.r": {"grid": [4]}}})
     cmd = [sys.executable, str(REPO / "jobs" / "tune.py"), "--config", str(config), "--space", str(space), "--out", str(tmp / "out")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp)
