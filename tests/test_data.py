@@ -171,7 +171,7 @@ def test_a_resume_from_a_checkpoint_packed_otherwise_says_what_it_cannot_reprodu
 
     # Checkpoints written before best fit recorded no packer: their epochs were planned next fit.
     message = packer_change({"step": 40}, packing=True)
-    assert "next-fit" in message and "--restart" in message
+    assert "next-fit" in message and "start the run over" in message
     assert packer_change({"step": 40, "packer": PACKER}, packing=True) is None
     assert packer_change({"step": 40}, packing=False) is None  # unpacked rows: every packer plans them alike
 

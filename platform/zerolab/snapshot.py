@@ -76,10 +76,10 @@ def restore(engine: Any, rank: int, checkpoint: Any, *, adapter_only: bool, pack
                                                          load_module_strict=not adapter_only)
         except (OSError, RuntimeError, KeyError, ValueError) as exc:
             raise CheckpointError(f"checkpoint {checkpoint.path} cannot be loaded ({type(exc).__name__}: {exc}); "
-                                  "delete it to resume from an earlier one, or pass --restart") from exc
+                                  "delete it to resume from an earlier one, or start the run over") from exc
         if path is None:
             raise CheckpointError(f"checkpoint {checkpoint.path} holds no DeepSpeed state; it is incomplete. "
-                                  "Delete it to resume from an earlier one, or pass --restart")
+                                  "Delete it to resume from an earlier one, or start the run over")
         rng_file = Path(folder) / f"rng_rank{rank}.pt"
         if rng_file.is_file():
             set_rng_state(torch.load(rng_file, weights_only=False))
@@ -99,7 +99,7 @@ def packer_change(client_state: dict[str, Any], *, packing: bool) -> str | None:
         return None
     return (f"this checkpoint was written while packing planned sequences {was}, now {PACKER}: the rest of its epoch "
             "groups that epoch's rows anew, so some of them are seen twice and others not at all (later epochs are "
-            "unaffected); pass --restart to train from the start instead")
+            "unaffected); start the run over to train from the start instead")
 
 
 def rng_state() -> dict[str, Any]:

@@ -123,11 +123,11 @@ def load_sweep(path: str | Path, config_keys: set[str]) -> Sweep:
     """Read and check a sweep file; every problem is reported at once with the fix."""
     path = Path(path)
     if not path.is_file():
-        raise SweepError([f"--space: no such file '{path}'; pass a sweep YAML such as jobs/configs/stage_sweep.yaml"])
+        raise SweepError([f"sweep file: no such file '{path}'; give a sweep YAML such as jobs/configs/stage_sweep.yaml"])
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as exc:
-        raise SweepError([f"--space: '{path}' is not valid YAML ({exc})"]) from None
+        raise SweepError([f"sweep file: '{path}' is not valid YAML ({exc})"]) from None
     return parse_sweep(raw, config_keys, default_name=path.stem.replace("_", "-"))
 
 
@@ -291,8 +291,8 @@ def load_definition(path: str) -> tuple[SFTConfig, Sweep]:
         with filesystem.open_input_stream(f"{root}/{SAVED}") as f:
             saved = yaml.safe_load(f.read().decode())
     except (FileNotFoundError, OSError):
-        raise SweepError([f"--resume: no sweep at {path} (no {SAVED}); check the name and run.storage_path, "
-                          "or start the sweep without --resume"]) from None
+        raise SweepError([f"resume: no sweep at {path} (no {SAVED}); check the sweep's name and run.storage_path, "
+                          "or start the sweep anew"]) from None
     base = SFTConfig.from_dict(saved["base"])
     return base, parse_sweep(saved["sweep"], set(base.flat()))
 

@@ -174,7 +174,7 @@ def run_sweep(base: SFTConfig, sweep: Sweep, *, resume: bool = False, out_dir: s
                         sweep.name, tracking.mask_text(experiment_path))
             if resume:
                 if not Tuner.can_restore(experiment_path):
-                    raise SweepError([f"--resume {sweep.name}: no sweep to resume at {experiment_path}; start it without --resume"])
+                    raise SweepError([f"resume {sweep.name}: no sweep to resume at {experiment_path}; start it anew"])
                 tuner = Tuner.restore(experiment_path, trainable=trainable, resume_errored=False, restart_errored=False)
             else:
                 save_definition(experiment_path, base, sweep)
