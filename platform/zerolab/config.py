@@ -2,8 +2,9 @@
 
 ``load_config(path, overrides)`` returns a validated :class:`SFTConfig` or raises one
 :class:`ConfigError` that lists every problem as ``<dotted.key>: <what is wrong>; <how to fix>``.
-The config crosses into Ray as ``cfg.to_dict()`` and is rebuilt on workers with
-``SFTConfig.from_dict``.
+The driver validates it once; workers get it, frozen and typed, inside their
+:class:`zerolab.worker_plan.WorkerPlan` and re-validate nothing. ``to_dict``/``from_dict`` serve
+YAML: a sweep's saved definition, the config artifact in MLflow.
 """
 
 from __future__ import annotations
