@@ -340,7 +340,10 @@ def test_the_sweep_folder_holds_each_trials_scalars_and_hparams_for_tensorboard(
         assert session.hparams["adapter.r"].number_value == 4
         loss = mux.Tensors(trial_id, "ray/tune/train/loss")
         steps = [tensor_util.make_ndarray(e.tensor_proto).item() for e in mux.Tensors(trial_id, "ray/tune/step")]
-        assert steps[-1] == 30 and len(loss) == len(steps)
+        # A resumed trial writes a new event file whose report count starts again: TensorBoard purges
+        # the earlier events it overlaps (how many depends on when the sweep was stopped), so only the
+        # curve's end is fixed.
+        assert steps[-1] == 30 and loss
         assert tensor_util.make_ndarray(loss[-1].tensor_proto).item() == pytest.approx(child.data.metrics["train/loss"])
 
 
