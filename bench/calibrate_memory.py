@@ -201,19 +201,19 @@ CASES: dict[str, list[Case]] = {
         Case("qwen2.5-0.5b", "rslora", 1, micro_batch=16, seq_len=128, packing=False, steps=4),
         Case("qwen2.5-0.5b", "dora", 0, micro_batch=2, seq_len=4096, data="mix", checkpointing=True, steps=4),
     ],
-    # The fourth held-out set, after the ZeRO-0 gradient all-reduce bucket is counted: two lists side
-    # by side on one GPU, fitted to nothing. fp32 AdaLoRA and full fine-tuning in shapes and stages
-    # not run before, bf16 7B loads under the shipped (lazy) loader, ZeRO-3 on one GPU.
-    # The fifth held-out set: the trust issue's misses on one H100 — full fine-tuning at ZeRO 1 and 2
+    # Held-out set G: the trust issue's misses on one H100 — full fine-tuning at ZeRO 1 and 2
     # (reserved 17-23% under), LoRA at ZeRO-3 with everything offloaded (reserved 30% over) — in
     # shapes not fitted to.
-    "held-out-e-0.5b": [
+    "held-out-g-0.5b": [
         Case("qwen2.5-0.5b", "full", 2, micro_batch=16, seq_len=128, packing=False, steps=4),
         Case("qwen2.5-0.5b", "full", 1, micro_batch=8, seq_len=256, steps=4),
         Case("qwen2.5-0.5b", "full", 1, micro_batch=4, seq_len=1024, data="mix", steps=4),
         Case("qwen2.5-0.5b", "full", 0, micro_batch=8, seq_len=512, packing=False, data="mix", steps=4),
         Case("qwen2.5-0.5b", "lora", 3, "all", micro_batch=16, seq_len=256, steps=4),
     ],
+    # The fourth held-out set, after the ZeRO-0 gradient all-reduce bucket is counted: two lists side
+    # by side on one GPU, fitted to nothing. fp32 AdaLoRA and full fine-tuning in shapes and stages
+    # not run before, bf16 7B loads under the shipped (lazy) loader, ZeRO-3 on one GPU.
     "held-out-d-7b": [
         Case("qwen2.5-7b", "lora", 0, micro_batch=4, seq_len=1024, packing=False, data="mix", checkpointing=True, steps=3),
         Case("qwen2.5-7b", "adalora", 0, micro_batch=1, seq_len=2048, data="mix", checkpointing=True, precision="fp32", steps=3),
