@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--adapter", help="folder, runs:/<run_id>[/<path>], models:/<name>/<version> or models:/<name>@<alias>")
     parser.add_argument("--model", help="base model: hub id, folder or builtin:tiny-qwen2 (default: the training run's)")
+    parser.add_argument("--quantization", choices=["none", "nf4", "fp4", "int8"],
+                        help="load the base quantized (bitsandbytes), as a QLoRA adapter was trained (default: the training run's model.quantization)")
     parser.add_argument("--task", help="math_sum, ner_json or custom (default: the training run's)")
     parser.add_argument("--data", help="eval file or folder (default: the training run's eval split)")
     parser.add_argument("--num-examples", type=int, help="evaluate the first N prompts only")
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         if problems:
             raise EvaluationError("; ".join(problems))
         with tempfile.TemporaryDirectory(prefix="zerolab-eval-") as tmp:
-            target = resolve_target(args.adapter, args.model, uri, tmp)
+            target = resolve_target(args.adapter, args.model, uri, tmp, quantization=args.quantization)
             options = options_for(target, task=args.task, data_path=args.data, num_examples=args.num_examples,
                                   batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, compare_base=args.compare_base,
                                   merge=args.merge, workers=args.workers, device=args.device, dtype=args.dtype)

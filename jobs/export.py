@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--adapter", required=True, help="folder, runs:/<run_id>[/<path>], models:/<name>/<version> or models:/<name>@<alias>")
     parser.add_argument("--output", required=True, help="folder to write the merged model to (must be new or empty)")
     parser.add_argument("--model", help="base model: hub id, folder or builtin:tiny-qwen2 (default: the training run's)")
+    parser.add_argument("--quantization", choices=["none", "nf4", "fp4", "int8"],
+                        help="the base the adapter was trained on (default: the training run's model.quantization); a quantized "
+                             "base is dequantized and the adapter merged into those weights")
     parser.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto", help="auto: the base model's stored dtype")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output folder")
     parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else ~/zerolab_runs/mlflow.db, beside the runs)")
@@ -46,14 +49,15 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         with tempfile.TemporaryDirectory(prefix="zerolab-export-") as tmp:
-            target = resolve_target(args.adapter, args.model, tracking_uri(args.tracking_uri), tmp)
+            target = resolve_target(args.adapter, args.model, tracking_uri(args.tracking_uri), tmp, quantization=args.quantization)
             result = export_merged(target, args.output, dtype=args.dtype, overwrite=args.overwrite)
     except (UserError, MlflowException) as exc:
         flag = FLAGS.get(exc.input) if isinstance(exc, EvaluationError) and exc.input else None
         print(f"\nerror: {flag + ': ' if flag else ''}{exc}", file=sys.stderr)
         return USER_ERROR
 
-    print(f"\nmerged {args.adapter} into {target.base} ({result['dtype']})")
+    base = f"{target.base}, dequantized from {target.quantization}" if target.quantization != "none" else target.base
+    print(f"\nmerged {args.adapter} into {base} ({result['dtype']})")
     print(f"wrote  {result['output']}: {', '.join(result['files'])}")
     print(f"check  reloaded logits vs the unmerged adapter: max |diff| {result['max_logit_diff']:.2e}, "
           f"next-token agreement {result['next_token_agreement']:.1%}")

@@ -40,7 +40,12 @@ def apply_adapter(model: torch.nn.Module, spec: AdapterSpec, total_steps: int) -
 
 
 def numel(p: torch.Tensor) -> int:
-    """Element count, also for a parameter partitioned by ZeRO-3 (whose local tensor is empty)."""
+    """Element count, also for a parameter partitioned by ZeRO-3 (whose local tensor is empty) and
+    for a 4-bit weight (whose tensor packs several weights per element; its quantization state
+    keeps the shape it stands for)."""
+    quant_state = getattr(p, "quant_state", None)
+    if quant_state is not None:
+        return math.prod(quant_state.shape)
     return int(getattr(p, "ds_numel", p.numel()))
 
 

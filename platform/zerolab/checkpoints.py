@@ -536,8 +536,9 @@ def verify_checkpoint(folder: RunFolder, name: str, *, stage: int, world_size: i
     if folder.fs.get_file_info(path).type != pafs.FileType.Directory:
         raise CheckpointError(f"{where} is missing")
     files = _files(folder.fs, f"{path}/deepspeed/state")
-    if not any(n.startswith("mp_rank_") for n in files):
-        raise CheckpointError(f"{where} has no DeepSpeed model state (deepspeed/state/mp_rank_*); it is incomplete")
+    # ZeRO 0-2 write mp_rank_00_model_states.pt; ZeRO-3 one zero_pp_rank_<r>_mp_rank_00_model_states.pt per rank.
+    if not any(re.fullmatch(r"(zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt", n) for n in files):
+        raise CheckpointError(f"{where} has no DeepSpeed model state (deepspeed/state/*mp_rank_*_model_states.pt); it is incomplete")
     if stage > 0:
         ranks = {int(m.group(1)) for n in files if (m := re.match(r"zero_pp_rank_(\d+)_", n))}
         if ranks != set(range(world_size)):

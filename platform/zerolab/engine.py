@@ -52,12 +52,16 @@ def build_model(cfg: SFTConfig, ds_config: dict, total_steps: int, *, zero3: Zer
     wraps it: DoRA's set-up, which reads every wrapped weight to compute its norm, made the whole
     memory-mapped checkpoint resident on the host (7B: 14.4 GiB RSS per worker against LoRA's 6.2).
 
-    Under ZeRO-3 it turns ``zero3`` on (the caller keeps it open while it trains, and closes it)."""
+    Under ZeRO-3 it turns ``zero3`` on (the caller keeps it open while it trains, and closes it).
+    A quantized base (``model.quantization``) loads through bitsandbytes (``zerolab.quantization``)."""
     dtype = DTYPES[cfg.precision()]
     if cfg.deepspeed.stage == 3:
         zero3.enable(ds_config)  # from_pretrained partitions the weights as they load
-    # On CPU the model is where it loads; ZeRO-3 partitions the weights as they load.
-    on_device = device is not None and device.type != "cpu" and cfg.deepspeed.stage < 3
+    # On CPU the model is where it loads; ZeRO-3 partitions the weights as they load, except a
+    # quantized base's (transformers loads those whole, quantized on the device, and
+    # ``deepspeed.initialize`` partitions them).
+    quantized = cfg.model.quantization != "none"
+    on_device = device is not None and device.type != "cpu" and (cfg.deepspeed.stage < 3 or quantized)
     model = load_model(cfg.model, dtype, device if on_device else None)
     head_trains = not cfg.adapter.is_peft() or "lm_head" in cfg.adapter.target_modules
     fused_loss = kernels.use_fused_loss(cfg.model.kernels, use_gpu=cfg.scaling.use_gpu, head_trains=head_trains)

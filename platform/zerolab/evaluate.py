@@ -104,6 +104,12 @@ def merge_choice(target: Target, asked: bool | None, dtype: str) -> tuple[bool, 
     if asked and not mergeable:
         raise EvaluationError(f"the adapter {target.source} is a {method} adapter, which peft cannot merge into the base weights; evaluate it unmerged",
                               input="merge")
+    if target.quantization != "none":
+        if asked:
+            raise EvaluationError(f"the adapter {target.source} was trained on a {target.quantization} base, whose weights peft can "
+                                  "merge into only by quantizing the sum again (losing the update); evaluate it unmerged, or "
+                                  "export it merged into the dequantized base (jobs/export.py) and evaluate that folder", input="merge")
+        return False, f"unmerged (on the {target.quantization} base it was trained on)"
     if asked is not None:
         return asked, "merged into the base weights" if asked else "unmerged (on top of the base weights)"
     if not mergeable:
@@ -183,7 +189,8 @@ def evaluate_after_training(cfg: Any, uri: str, run_id: str, tuned_folder: str |
 
     e = cfg.eval
     tuned, kind = find_model_folder(Path(tuned_folder), str(tuned_folder))
-    target = Target(base=cfg.model.name_or_path, tuned_path=str(tuned), tuned_kind=kind, source=str(tuned_folder), run_id=run_id)
+    target = Target(base=cfg.model.name_or_path, tuned_path=str(tuned), tuned_kind=kind, source=str(tuned_folder), run_id=run_id,
+                    quantization=cfg.model.quantization)
     options = EvalOptions(task=cfg.data.task, data_path=dataset_paths(cfg)["eval"], num_examples=e.num_examples or None,
                           system_prompt=cfg.data.system_prompt, batch_size=e.batch_size, max_new_tokens=e.max_new_tokens,
                           compare_base=e.compare_base, workers=eval_workers(cfg), device="cuda" if cfg.scaling.use_gpu else "cpu",

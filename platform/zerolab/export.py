@@ -12,6 +12,7 @@ import torch
 from zerolab.config import ModelSpec
 from zerolab.errors import EvaluationError
 from zerolab.generation import DTYPES, MERGEABLE_METHODS, DType, adapter_method, apply_adapter, check_target_files
+from zerolab.quantization import dequantize
 from zerolab.reference import Target
 
 
@@ -19,6 +20,8 @@ def export_merged(target: Target, output: str | Path, *, dtype: DType = "auto", 
     """Merge the adapter of ``target`` into its base weights and save a model folder that
     ``AutoModelForCausalLM.from_pretrained`` loads (weights as safetensors, config, generation
     config, tokenizer). The folder is reloaded and checked against the unmerged model's logits.
+    An adapter trained on a quantized base (``target.quantization``) merges into that base's
+    weights dequantized (:func:`zerolab.quantization.dequantize`), written in ``dtype``.
     Returns what was written and the check's figures."""
     from transformers import AutoModelForCausalLM
 
@@ -35,13 +38,24 @@ def export_merged(target: Target, output: str | Path, *, dtype: DType = "auto", 
     if method not in MERGEABLE_METHODS:
         raise EvaluationError(f"the adapter {target.source} is a {method} adapter, which peft cannot merge into the base weights; "
                               "serve it as an adapter on its base model", input="adapter")
-    spec = ModelSpec(name_or_path=target.base)
+    spec = ModelSpec(name_or_path=target.base, quantization=target.quantization)  # type: ignore[arg-type]
     torch_dtype = _saved_dtype(spec) if dtype == "auto" else DTYPES[dtype]
     tokenizer = load_tokenizer(spec)
-    model = apply_adapter(load_model(spec, torch_dtype), target.tuned_path, merge=False).eval()
+    base = load_model(spec, torch_dtype)
     probe = _probe_ids(tokenizer)
-    with torch.inference_mode():
-        expected = model(input_ids=probe).logits.float()
+    if target.quantization != "none":
+        # The adapter learned its update against the quantized weights: it merges into those,
+        # dequantized, so that the merged model computes what was trained (the original weights
+        # would differ from them by the quantization error the adapter was trained around).
+        with torch.inference_mode():
+            expected = apply_adapter(base, target.tuned_path, merge=False).eval()(input_ids=probe).logits.float()
+        base = load_model(spec, torch_dtype)
+        dequantize(base, torch_dtype)
+        model = apply_adapter(base, target.tuned_path, merge=False).eval()
+    else:
+        model = apply_adapter(base, target.tuned_path, merge=False).eval()
+        with torch.inference_mode():
+            expected = model(input_ids=probe).logits.float()
     merged = model.merge_and_unload()
     if output.exists() and overwrite:
         shutil.rmtree(output)

@@ -152,14 +152,15 @@ class Generator:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
-        model_spec = ModelSpec(name_or_path=self.spec.name_or_path, revision=self.spec.revision,
-                               trust_remote_code=self.spec.trust_remote_code, attn_implementation=self.spec.attn_implementation)  # type: ignore[arg-type]
+        model_spec = ModelSpec(name_or_path=self.spec.name_or_path, revision=self.spec.revision,  # type: ignore[arg-type]
+                               trust_remote_code=self.spec.trust_remote_code, attn_implementation=self.spec.attn_implementation,
+                               quantization=self.spec.quantization)
         self.tokenizer = load_tokenizer(model_spec)
         self.tokenizer.padding_side = "left"
-        model = load_model(model_spec, DTYPES[dtype])
+        model = load_model(model_spec, DTYPES[dtype], self.device)
         if self.spec.adapter_path is not None:
             model = apply_adapter(model, self.spec.adapter_path, merge=self.spec.merge)
-        self.model = model.to(self.device).eval()
+        self.model = model.eval()
         self.model.config.use_cache = True
         self.load_s = time.perf_counter() - start
         self.gpu_peak_load = self._gpu_peak()

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from zerolab import ds_config, memory, tracking
+from zerolab import ds_config, memory, quantization, tracking
 from zerolab.clock import StartupClock
 from zerolab.cluster import connect_ray, reserved_resources, resolve_launch
 from zerolab.config import ConfigError, SFTConfig
@@ -70,6 +70,7 @@ def plan_job(cfg: SFTConfig, *, force: bool = False, clock: StartupClock | None 
     trains, when already resolved (``cluster.resolve_launch``)."""
     from zerolab.models import load_model_config, resolve_model_path
 
+    quantization.check_available(cfg.model.quantization)
     model_path = resolve_model_path(cfg.model.name_or_path)
     model_config = load_model_config(cfg.model)
     deepspeed_file = ds_config.config_path(cfg)

@@ -35,6 +35,8 @@ class LoadSpec:
     revision: str | None = None
     trust_remote_code: bool = False
     attn_implementation: str = "sdpa"
+    quantization: str = "none"
+    """``model.quantization`` of the base (a QLoRA adapter is evaluated on the base quantized as it was trained)."""
 
 
 @dataclass
@@ -51,6 +53,8 @@ class Target:
     run_params: dict[str, str] = field(default_factory=dict)
     run_name: str | None = None
     experiment_id: str | None = None
+    quantization: str = "none"
+    """How the base loads (``model.quantization``): as the training run trained on it, unless given."""
 
     def param(self, key: str) -> str | None:
         """A training-run param, None when missing or empty (MLflow stores None as '')."""
@@ -66,19 +70,21 @@ class Target:
                                       input="merge")
             return LoadSpec(name_or_path=self.tuned_path)
         assert self.base is not None, "an adapter target always knows its base model"
-        return LoadSpec(name_or_path=self.base, adapter_path=self.tuned_path, merge=merge)
+        return LoadSpec(name_or_path=self.base, adapter_path=self.tuned_path, merge=merge, quantization=self.quantization)
 
     def base_spec(self) -> LoadSpec | None:
-        return LoadSpec(name_or_path=self.base) if self.base else None
+        return LoadSpec(name_or_path=self.base, quantization=self.quantization) if self.base else None
 
 
-def resolve_target(adapter: str | None, model: str | None, tracking_uri: str, download_dir: str | Path) -> Target:
+def resolve_target(adapter: str | None, model: str | None, tracking_uri: str, download_dir: str | Path, *,
+                   quantization: str | None = None) -> Target:
     """Find the tuned model named by ``adapter`` (downloading it from MLflow into ``download_dir``
-    when it is a ``runs:/`` or ``models:/`` reference) and its base model. Raises EvaluationError."""
+    when it is a ``runs:/`` or ``models:/`` reference) and its base model, to be loaded with
+    ``quantization`` (default: the training run's ``model.quantization``, else none). Raises EvaluationError."""
     if adapter is None:
         if model is None:
             raise EvaluationError("nothing to evaluate: give a tuned model (a folder, runs:/<run_id> or models:/<name>/<version>) and/or a base model", input="adapter")
-        return Target(base=model)
+        return Target(base=model, quantization=quantization or "none")
     download_dir = Path(download_dir)
     run_id = None
     if adapter.startswith("runs:/"):
@@ -113,7 +119,8 @@ def resolve_target(adapter: str | None, model: str | None, tracking_uri: str, do
                                   input="model")
     return Target(base=base, tuned_path=str(tuned), tuned_kind=kind, source=adapter, run_id=run_id, run_params=params,
                   run_name=run.info.run_name if run is not None else None,
-                  experiment_id=run.info.experiment_id if run is not None else None)
+                  experiment_id=run.info.experiment_id if run is not None else None,
+                  quantization=quantization or params.get("model.quantization") or "none")
 
 
 def find_model_folder(folder: Path, ref: str) -> tuple[Path, Literal["adapter", "full"]]:

@@ -184,7 +184,7 @@ def _train(plan: JobPlan, run: tracking.TrackedRun, record: RunRecord, folder: R
     if cfg.tracking.register:
         name = cfg.tracking.registered_model or cfg.run.name
         version = tracking.register_model(run.uri, run.run_id, "adapter", name, cfg.tracking.model_alias or None, step,
-                                          tags={"run_name": cfg.run.name, **_final_metric_tags(metrics)})
+                                          tags={"run_name": cfg.run.name, **_final_metric_tags(metrics), **_base_tags(cfg)})
         alias = f"@{cfg.tracking.model_alias}" if cfg.tracking.model_alias else f"/{version}"
         record.registered = f"models:/{name}/{version}"
         logger.info("registered as %s version %s (models:/%s%s)", name, version, name, alias)
@@ -255,10 +255,15 @@ def warn_if_node_local(tracking_uri: str) -> None:
 
 def run_tags(cfg: SFTConfig, commit: str | None) -> dict[str, str]:
     tags = {"task": cfg.data.task, "model": tracking.mask_text(cfg.model.name_or_path), "method": cfg.adapter.method,
-            "stage": str(cfg.deepspeed.stage)}
+            "stage": str(cfg.deepspeed.stage), **_base_tags(cfg)}
     if commit:
         tags["mlflow.source.git.commit"] = commit.removesuffix("-dirty")
     return tags
+
+
+def _base_tags(cfg: SFTConfig) -> dict[str, str]:
+    """Says that the adapter was trained on a quantized base (and loads onto one the same way)."""
+    return {"base_quantization": cfg.model.quantization} if cfg.model.quantization != "none" else {}
 
 
 def _final_metric_tags(metrics: dict[str, Any]) -> dict[str, str]:

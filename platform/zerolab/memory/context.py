@@ -15,7 +15,8 @@ from zerolab import ds_config
 from zerolab.config import SFTConfig
 from zerolab.memory.batch import BatchShape
 from zerolab.memory.calibration import Calibration
-from zerolab.memory.shapes import ModelShape, ParamSpec, target_projections
+from zerolab.memory.shapes import PROJECTIONS, ModelShape, ParamSpec, target_projections
+from zerolab.quantization import FOUR_BIT
 from zerolab.zero import Option
 
 
@@ -80,6 +81,8 @@ class EstimateContext:
         # The projections that keep e4m3 copies (zerolab.kernels.fp8_layers).
         self.fp8_shapes = [(i, o) for i, o in shape.linear_shapes().values() if fp8_eligible(i, o, cfg.model.fp8_min_features)] \
             if cfg.model.fp8 and self.gpu and self.peft and self.stage < 3 else []
+        # A quantized base (zerolab.quantization): its projections' weights are stored packed.
+        self.quantization = cfg.model.quantization if self.peft else "none"
         self.P = sum(p.total for p in inventory)
         self.T = sum(p.total for p in inventory if p.trainable)
 
@@ -87,9 +90,28 @@ class EstimateContext:
         """Elements of ``numel`` held by one rank under ZeRO partitioning (padded to a multiple of N)."""
         return math.ceil(numel / self.n)
 
+    def quantized(self, p: ParamSpec) -> bool:
+        """Whether ``p`` is stored quantized: a base projection's weight under ``model.quantization``
+        (transformers quantizes every decoder linear layer, not the head or the embeddings)."""
+        return (self.quantization != "none" and not p.adapter and p.module.startswith("layers.")
+                and p.name.endswith(".weight") and p.module.removeprefix("layers.") in PROJECTIONS)
+
+    def stored_bytes(self, p: ParamSpec) -> int:
+        """Bytes of one of ``p``'s tensors as ZeRO partitions it: numel·e, or a quantized weight's
+        packed bytes (4-bit: numel/2; int8: numel), without the constants kept beside it."""
+        if self.quantized(p):
+            return p.numel // 2 if self.quantization in FOUR_BIT else p.numel
+        return p.numel * self.e
+
+    def stored_numel(self, p: ParamSpec) -> int:
+        """Elements of ``p``'s tensor as ZeRO counts them (4-bit weights: two per byte, packed into the training dtype)."""
+        if not self.quantized(p):
+            return p.numel
+        return p.numel // (2 * self.e) if self.quantization in FOUR_BIT else p.numel
+
     def persistent(self, p: ParamSpec) -> bool:
         """ZeRO-3 keeps parameters below stage3_param_persistence_threshold whole on every rank."""
-        return p.numel < self.knobs.persistence_threshold
+        return self.stored_numel(p) < self.knobs.persistence_threshold
 
     def largest_trainable(self) -> int:
         return max((p.numel for p in self.inv if p.trainable), default=0)

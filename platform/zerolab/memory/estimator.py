@@ -18,6 +18,7 @@ from zerolab.memory.options import Estimate
 from zerolab.memory.shapes import ModelShape, max_position_embeddings, parameter_inventory, target_projections
 from zerolab.memory.terms import (
     deepspeed_buffers,
+    dequantized_transient,
     fp8_transient,
     fp8_weights,
     framework,
@@ -97,7 +98,9 @@ def device_components(job: EstimateContext) -> tuple[dict[str, int], dict[str, i
     held_grads = c["gradients"] if job.stage == 3 or job.cfg.train.grad_accum_steps > 1 else 0
     # The loss region comes at the end of the forward pass; a recomputed layer (checkpointing) and
     # DoRA's weight-norm temporaries come while every saved activation is alive, but not with it.
-    peak_activity = max(logits_and_loss(job), recompute + logits + fp8_transient(job), dora_transient(job))
+    # A quantized base's dequantized weight lives only within its layer's product, as FP8's input copy.
+    transient = fp8_transient(job) + dequantized_transient(job)
+    peak_activity = max(logits_and_loss(job), recompute + logits + transient, dora_transient(job))
     phases = {
         "init": persistent - c["optimizer states"] + (job.T * job.e if job.stage in (1, 2) else 0),
         "forward/backward": persistent + held_grads + gathered(job) + saved + peak_activity,

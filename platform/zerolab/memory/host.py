@@ -43,8 +43,11 @@ def host_components(job: EstimateContext, device_peak: int) -> tuple[dict[str, i
     # Under ZeRO 0-2 on GPU (zerolab.models.load_model) tensors go to the GPU as they are read
     # and peft wraps the model there: no converted copy stays on the host (its files' pages all
     # do, until the load ends), and DoRA's weight-norm set-up reads no checkpoint pages there.
-    if job.gpu and job.stage < 3:
-        load = int(base_params * file_bytes * (cal.host_load_factor_gpu if file_bytes == e else cal.host_load_factor))
+    # A quantized base loads through the device map at every stage, quantized on the GPU as it
+    # arrives: its files' pages all stay until the load ends, as when converting.
+    if job.gpu and (job.stage < 3 or job.quantization != "none"):
+        lazy = file_bytes == e and job.quantization == "none"
+        load = int(base_params * file_bytes * (cal.host_load_factor_gpu if lazy else cal.host_load_factor))
     else:
         load = int(base_params * (file_bytes + (e if file_bytes != e else 0)) * cal.host_load_factor)
 
@@ -66,7 +69,7 @@ def host_components(job: EstimateContext, device_peak: int) -> tuple[dict[str, i
         opt_pinned.append(job.e * job.part(job.T))  # flat gradient partition buffer
     param_pinned: list[int] = []
     if job.offload_param:
-        param_pinned = [job.part(p.numel) * job.e for p in job.inv if not job.persistent(p) for _ in range(p.count)]
+        param_pinned = [job.part(job.stored_bytes(p)) for p in job.inv if not job.persistent(p) for _ in range(p.count)]
         param_pinned += [job.e * job.part(g) for g in groups]
     pin = job.gpu and job.knobs.pin_memory
     rounding = sum(pow2(x) - x for x in opt_pinned + param_pinned) if pin else 0
@@ -90,7 +93,7 @@ def host_components(job: EstimateContext, device_peak: int) -> tuple[dict[str, i
     # A GPU process that holds the whole checkpoint (ZeRO-3's rank 0, a dtype conversion) reads it
     # before its first steps bring in the rest of its baseline; with parameter offload it fills
     # pinned partitions while it reads, and its load peaks on the whole baseline (measured).
-    whole = job.gpu and not job.offload_param and (job.stage == 3 or file_bytes != e)
+    whole = job.gpu and not job.offload_param and (job.stage == 3 or file_bytes != e or job.quantization != "none")
     load_base = base - (cal.host_gpu_first_steps_bytes if whole else 0)
     rank0 = {
         "model load": load_base + dataset + load + partitions,

@@ -8,17 +8,45 @@ from zerolab.memory.shapes import PROJECTIONS
 
 
 def weights(job: EstimateContext) -> int:
-    """ZeRO 0-2: every parameter on every rank, P·e. ZeRO-3: persistent parameters whole, the
-    rest ⌈numel/N⌉ each; with parameter offload only the persistent ones stay."""
+    """ZeRO 0-2: every parameter on every rank, P·e (a quantized base's projections: their packed
+    bytes). ZeRO-3: persistent parameters whole, the rest ⌈bytes/N⌉ each; with parameter offload
+    only the persistent ones stay. Plus a quantized base's constants (:func:`quantization_constants`)."""
     if job.stage < 3:
-        return job.P * job.e
+        return sum(job.stored_bytes(p) * p.count for p in job.inv) + quantization_constants(job)
     total = 0
     for p in job.inv:
         if job.persistent(p):
-            total += p.total * job.e
+            total += job.stored_bytes(p) * p.count
         elif not job.offload_param:
-            total += job.part(p.numel) * p.count * job.e
-    return total
+            total += job.part(job.stored_bytes(p)) * p.count
+    return total + quantization_constants(job)
+
+
+def quantization_constants(job: EstimateContext) -> int:
+    """What bitsandbytes keeps beside each quantized weight, whole on every rank (ZeRO-3 partitions
+    only the weight tensor): 4-bit, the absmax per block of 64 weights (nf4: 8-bit, plus an fp32
+    constant per 256 blocks; fp4: fp32); int8, an fp32 scale per output row."""
+    if job.quantization == "none":
+        return 0
+    from zerolab.quantization import bytes_per_row, bytes_per_weight
+
+    packed = 1.0 if job.quantization == "int8" else 0.5
+    shapes = job.shape.linear_shapes()
+    total = 0.0
+    for p in job.inv:
+        if job.quantized(p):
+            rows = shapes[p.module.removeprefix("layers.")][1]
+            total += p.count * (p.numel * (bytes_per_weight(job.quantization) - packed) + rows * bytes_per_row(job.quantization))
+    return int(total)
+
+
+def dequantized_transient(job: EstimateContext) -> int:
+    """A quantized base, during a projection's product: its weight dequantized, in·out elements of
+    the compute dtype (4-bit: the training dtype; int8: fp16), for the largest projection."""
+    if job.quantization == "none":
+        return 0
+    largest = max(i * o for i, o in job.shape.linear_shapes().values())
+    return largest * (job.e if job.quantization != "int8" else 2)
 
 
 def fp8_weights(job: EstimateContext) -> int:
@@ -44,12 +72,12 @@ def gathered(job: EstimateContext) -> int:
     """
     if not job.gathers():
         return 0
-    # Module -> its non-persistent parameters (name, numel); a tied head uses the embedding's.
-    modules: dict[str, list[tuple[str, int]]] = {}
+    # Module -> its non-persistent parameters (name, elements, bytes); a tied head uses the embedding's.
+    modules: dict[str, list[tuple[str, int, int]]] = {}
     for p in job.inv:
         if not job.persistent(p):
             key = p.module.removeprefix("layers.")
-            modules.setdefault(key, []).append((p.name, p.numel))
+            modules.setdefault(key, []).append((p.name, job.stored_numel(p), job.stored_bytes(p)))
     if job.shape.tie_word_embeddings:
         modules["lm_head"] = modules.get("lm_head", []) + [m for m in modules.get("embed_tokens", []) if m[0] == "embed_tokens.weight"]
     layer_mods = [m for m in PROJECTIONS if m in modules]
@@ -66,23 +94,23 @@ def gathered(job: EstimateContext) -> int:
         backward = list(reversed(forward))
     trace = forward + backward
 
-    def params_of(step: Step) -> list[tuple[tuple[str, int | None], int]]:
+    def params_of(step: Step) -> list[tuple[tuple[str, int | None], int, int]]:
         name, layer = step
-        return [((pname, layer), numel) for pname, numel in modules.get(name, [])]
+        return [((pname, layer), numel, size) for pname, numel, size in modules.get(name, [])]
 
     held: dict[tuple[str, int | None], int] = {}
     peak_step = len(forward) - 1  # the head's forward: the loss follows and the backward starts
     for k in range(peak_step + 1):
-        for pid, numel in params_of(trace[k]):
-            held[pid] = numel * job.e
+        for pid, _, size in params_of(trace[k]):
+            held[pid] = size
         if k == peak_step:
             break
-        candidates = {pid for pid, _ in params_of(trace[k])}
+        candidates = {pid for pid, _, _ in params_of(trace[k])}
         traversed = 0
         for later in trace[k + 1:]:
             if traversed >= job.knobs.max_reuse_distance or not candidates:
                 break
-            for pid, numel in params_of(later):
+            for pid, numel, _ in params_of(later):
                 candidates.discard(pid)
                 traversed += numel
         for pid in candidates:
@@ -91,8 +119,8 @@ def gathered(job: EstimateContext) -> int:
 
 
 def _layer_gathered(job: EstimateContext) -> int:
-    """One decoder layer's non-persistent parameters, whole: e·Σ numel."""
-    return sum(p.numel * job.e for p in job.inv if p.module.startswith("layers.") and not job.persistent(p))
+    """One decoder layer's non-persistent parameters, whole: Σ bytes (e·numel, or packed)."""
+    return sum(job.stored_bytes(p) for p in job.inv if p.module.startswith("layers.") and not job.persistent(p))
 
 
 def _prefetched(job: EstimateContext) -> int:
@@ -112,8 +140,8 @@ def gathered_at_start(job: EstimateContext) -> int:
         return 0
     big = {p.module: p.numel for p in job.inv if p.module in ("embed_tokens", "lm_head") and not p.adapter}
     held = big.get("embed_tokens", 0) + (big.get("lm_head", 0) if job.fused_loss else 0)
-    staging = job.part(max(p.numel for p in job.inv if not job.persistent(p))) if job.offload_param and job.n > 1 else 0
-    return job.e * (held + staging) + _layer_gathered(job) + _prefetched(job)
+    staging = job.part(max(job.stored_bytes(p) for p in job.inv if not job.persistent(p))) if job.offload_param and job.n > 1 else 0
+    return job.e * held + staging + _layer_gathered(job) + _prefetched(job)
 
 
 def master_weights(job: EstimateContext) -> int:

@@ -1,0 +1,203 @@
+"""Quantized bases (``model.quantization``): bitsandbytes' CPU backend loads and trains the tiny
+model, so the QLoRA path runs here as it does on GPUs — the config's refusals, the loader, the
+estimator's figures, DeepSpeed's ZeRO-2 and ZeRO-3 over two ranks (gloo), a whole job through Ray
+with its evaluation, resume and export."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from conftest import free_port, tiny_overrides
+from zerolab import quantization
+from zerolab.config import ConfigError, ModelSpec, load_config
+
+bnb = pytest.importorskip("bitsandbytes")
+
+PROBE = torch.tensor([[3, 17, 250, 99, 5, 61, 400, 12]])
+
+
+def test_combinations_a_quantized_base_cannot_train_are_refused_with_the_fix():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["model.quantization=nf4", "adapter.method=full", "model.compile=true"])
+    problems = err.value.problems
+    assert any(p.startswith("model.quantization: a nf4 base is frozen") and "adapter.method=full" in p and "lora" in p for p in problems)
+    assert any(p.startswith("model.compile: not with a nf4 base") and "model.compile=false" in p for p in problems)
+    with pytest.raises(ConfigError, match=r"model.fp8: .*set one of model.fp8=false or model.quantization=none"):
+        load_config(None, ["model.quantization=int8", "model.fp8=true", "scaling.use_gpu=true"])
+    with pytest.raises(ConfigError, match=r"model.quantization: 'q3' is not one of"):
+        load_config(None, ["model.quantization=q3"])
+    # Every adapter method and ZeRO stage (parameter offload included) is accepted.
+    for extra in (["adapter.method=dora", "deepspeed.stage=3"], ["adapter.method=adalora", "deepspeed.stage=0", "train.precision=fp32"],
+                  ["deepspeed.stage=3", "deepspeed.offload_optimizer=true", "deepspeed.offload_param=true"]):
+        assert load_config(None, ["model.quantization=int8", *extra]).model.quantization == "int8"
+
+
+def test_a_missing_bitsandbytes_is_an_environment_problem_naming_the_extra(monkeypatch):
+    from zerolab.errors import EnvironmentProblem
+
+    real = quantization.importlib.util.find_spec
+    monkeypatch.setattr(quantization.importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    with pytest.raises(EnvironmentProblem, match=r"model.quantization=nf4 .*bitsandbytes, which is not installed.*\[quantization\]"):
+        quantization.check_available("nf4")
+    quantization.check_available("none")
+
+
+@pytest.mark.parametrize("kind", ["nf4", "fp4", "int8"])
+def test_the_loader_quantizes_every_decoder_projection_and_nothing_else(kind, tiny_model_path):
+    from zerolab.adapters import parameter_counts
+    from zerolab.models import load_model
+
+    plain = load_model(ModelSpec(), torch.bfloat16)
+    model = load_model(ModelSpec(quantization=kind), torch.bfloat16)
+    layers = quantization.quantized_layers(model)
+    projections = [n for n, m in plain.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    assert sorted(layers) == sorted(projections)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    # Counted as the weights they stand for, not the packed elements that hold them.
+    assert parameter_counts(model)[1] == parameter_counts(plain)[1]
+    weight = model.model.layers[0].mlp.down_proj.weight
+    packed = weight.detach().view(torch.uint8).clone()
+    model.eval()
+    with torch.no_grad():
+        quantized_logits = model(PROBE).logits.float()
+        plain_logits = plain(PROBE).logits.float()
+    # An evaluation pass keeps the training layout (bitsandbytes would repack it for its CPU kernel).
+    assert torch.equal(weight.detach().view(torch.uint8), packed)
+    # Quantization error, not another model: close to the bf16 model's logits.
+    assert (quantized_logits - plain_logits).abs().mean() < 0.2 * plain_logits.abs().mean()
+
+
+def test_dequantized_layers_compute_what_the_quantized_ones_did(tiny_model_path):
+    from zerolab.models import load_model
+
+    model = load_model(ModelSpec(quantization="nf4"), torch.float32).eval()
+    with torch.no_grad():
+        expected = model(PROBE).logits
+    assert quantization.dequantize(model, torch.float32) == 28
+    assert not quantization.quantized_layers(model) and not hasattr(model.config, "quantization_config")
+    with torch.no_grad():
+        torch.testing.assert_close(model(PROBE).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_estimate_counts_packed_weights_and_their_constants():
+    """7B shape: nf4 stores each projection weight in half a byte plus its constants; the
+    embeddings, head and norms stay bf16; ZeRO-3 over two GPUs splits the packed bytes but not the
+    constants; a dequantized copy of the largest projection is counted at the peak."""
+    from zerolab.memory import estimate
+    from zerolab.memory.shapes import ModelShape
+    from zerolab.models import KNOWN_CONFIGS
+
+    config = KNOWN_CONFIGS["Qwen/Qwen2.5-7B"]
+    shape = ModelShape.from_config(config)
+    overrides = ["model.name_or_path=Qwen/Qwen2.5-7B", "scaling.use_gpu=true", "scaling.num_workers=1", "train.precision=bf16",
+                 "adapter.target_modules=[all-linear]", "adapter.r=16", "model.gradient_checkpointing=true", "data.max_seq_length=4096"]
+    plain = estimate(load_config(None, overrides), config)
+    nf4 = estimate(load_config(None, [*overrides, "model.quantization=nf4"]), config)
+    linear = sum(i * o for i, o in shape.linear_shapes().values()) * shape.num_layers
+    rest = shape.num_params() - linear
+    adapters = 2 * nf4.trainable_params  # bf16 beside each projection
+    expected = linear * (0.5 + 1 / 64 + 4 / (64 * 256)) + rest * 2 + adapters
+    assert nf4.device["weights"] == pytest.approx(expected, rel=1e-6)
+    assert plain.device["weights"] == shape.num_params() * 2 + adapters
+    assert nf4.device_peak < plain.device_peak - (plain.device["weights"] - nf4.device["weights"]) + 2 * 18944 * 3584 + 1
+    sharded = estimate(load_config(None, [*overrides, "model.quantization=nf4", "deepspeed.stage=3", "scaling.num_workers=2"]), config)
+    assert sharded.device["weights"] < 0.6 * nf4.device["weights"]
+    int8 = estimate(load_config(None, [*overrides, "model.quantization=int8"]), config)
+    rows = sum(o for _, o in shape.linear_shapes().values()) * shape.num_layers
+    assert int8.device["weights"] == pytest.approx(linear + 4 * rows + rest * 2 + adapters, rel=1e-6)
+
+
+# --- DeepSpeed over two ranks (gloo) --------------------------------------------------------------
+
+
+def _steps_worker(rank: int, overrides: list[str], port: int, results: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                      DS_ACCELERATOR="cpu")
+    from zerolab import ds_config
+    from zerolab.ds_runtime import init_distributed
+    from zerolab.engine import Zero3Loading, build_model, initialize_engine
+
+    init_distributed("gloo")
+    cfg = load_config(None, ["scaling.num_workers=2", "train.precision=bf16", "adapter.dropout=0", "train.lr=1e-3", *overrides])
+    ds = ds_config.resolve(cfg, 128)
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # partition even the tiny model's weights
+    zero3 = Zero3Loading()
+    torch.manual_seed(0)
+    engine = initialize_engine(build_model(cfg, ds, 10, zero3=zero3), cfg, ds, 10)
+    torch.manual_seed(rank)
+    ids = torch.randint(5, 500, (2, 24))
+    losses = []
+    for _ in range(4):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    weight = next(p for n, p in engine.module.named_parameters() if n.endswith("layers.0.self_attn.q_proj.base_layer.weight"))
+    results[rank] = {"losses": losses, "partitioned": weight.numel() == 0}
+    zero3.close()
+
+
+def _train_on_two_ranks(overrides: list[str]) -> dict:
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_steps_worker, args=(overrides, free_port(), results), nprocs=2)
+        return dict(results)
+
+
+@pytest.mark.parametrize("kind", ["nf4", pytest.param("int8", marks=pytest.mark.slow)])
+def test_zero3_shards_the_quantized_base_and_trains_as_zero2_does(kind):
+    """ZeRO-3 partitions the quantized weights (the 4-bit ones packed in bf16, the int8 ones as
+    int8) and gathers them back whole with their constants: the first loss is ZeRO-2's to bf16
+    rounding, and both train."""
+    z2 = _train_on_two_ranks([f"model.quantization={kind}", "deepspeed.stage=2"])
+    z3 = _train_on_two_ranks([f"model.quantization={kind}", "deepspeed.stage=3"])
+    assert z3[0]["partitioned"] and not z2[0]["partitioned"]
+    for rank in (0, 1):
+        assert z3[rank]["losses"][0] == pytest.approx(z2[rank]["losses"][0], rel=2e-3)
+        assert z3[rank]["losses"][-1] < z3[rank]["losses"][0] - 0.5 and z2[rank]["losses"][-1] < z2[rank]["losses"][0] - 0.5
+
+
+# --- a whole job ----------------------------------------------------------------------------------
+
+
+@pytest.mark.ray
+def test_a_qlora_job_trains_resumes_evaluates_and_exports(ray_cluster, tmp_path, tiny_model_path):
+    """jobs/sft.py's path with an nf4 base under ZeRO-3 on two Ray workers: it trains, the MLflow
+    record says the base was quantized, more steps continue from the checkpoint, the evaluation
+    after training loads the base quantized, and the export merges into the dequantized base what
+    the quantized model with its adapter computes."""
+    from mlflow import MlflowClient
+
+    from zerolab.export import export_merged
+    from zerolab.reference import resolve_target
+    from zerolab.run import run_sft
+
+    base = tiny_overrides(tmp_path, **{"model.quantization": "nf4", "deepspeed.stage": 3, "train.max_steps": 4,
+                                       "train.lr": 2e-3, "run.name": "qlora"})
+    first = run_sft(load_config(None, base))
+    run = MlflowClient(first.tracking_uri).get_run(first.run_id)
+    assert run.data.params["model.quantization"] == "nf4" and run.data.tags["base_quantization"] == "nf4"
+    more = run_sft(load_config(None, [*base, "train.max_steps=6", "eval.enabled=true", "eval.num_examples=4",
+                                      "eval.max_new_tokens=8"]))
+    assert more.run_id == first.run_id and more.metrics["step"] == 6
+    history = MlflowClient(more.tracking_uri).get_metric_history(more.run_id, "train/loss")
+    assert sorted(m.step for m in history) == [2, 4, 6] and history[-1].value < history[0].value
+    assert "eval/accuracy" in MlflowClient(more.tracking_uri).get_run(more.run_id).data.metrics
+
+    target = resolve_target(f"runs:/{more.run_id}", None, more.tracking_uri, tmp_path / "download")
+    assert target.quantization == "nf4" and target.tuned_spec().quantization == "nf4"
+    result = export_merged(target, tmp_path / "merged", dtype="fp32")
+    assert result["max_logit_diff"] < 1e-3
+    config = (tmp_path / "merged" / "config.json").read_text()
+    assert "quantization_config" not in config
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
+    assert not quantization.quantized_layers(merged) and math.isfinite(float(merged(PROBE).logits.sum()))
+    assert Path(result["output"]).is_dir()
