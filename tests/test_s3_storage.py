@@ -234,3 +234,50 @@ def test_a_missing_bucket_is_named_before_anything_starts(s3_endpoint, s3_env):
     check_storage(f"s3://somebucket/runs?endpoint_override={host}&scheme=http")
     left = [obj["Key"] for obj in s3_client(s3_endpoint).list_objects_v2(Bucket="somebucket").get("Contents", [])]
     assert left == ["runs/"]  # the folder, without the write check's file
+
+
+def test_refused_credentials_are_named_before_anything_starts(s3_endpoint, s3_env, tmp_path, monkeypatch):
+    """A bucket that exists, keys it refuses (unknown, a wrong secret, or a user without a grant):
+    the job ends with exit 2 before Ray starts, one paragraph that names the setting, the bucket,
+    what was found and the variables that fix it, without a key, and leaves nothing behind. The
+    keys of a user it grants pass, so the server checked them (moto's IAM enforcement, turned on
+    through its API, ``INITIAL_NO_AUTH_ACTION_COUNT``, and off again for the module's other tests)."""
+    import boto3
+    import requests
+
+    from zerolab.cli import USER_ERROR, run_job
+    from zerolab.run import run_sft
+
+    s3_client(s3_endpoint).create_bucket(Bucket="guarded")
+    iam = boto3.client("iam", endpoint_url=s3_endpoint, aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
+                       region_name="us-east-1")
+    iam.create_user(UserName="no-grant")
+    key = iam.create_access_key(UserName="no-grant")["AccessKey"]
+    iam.create_user(UserName="writer")
+    iam.put_user_policy(UserName="writer", PolicyName="runs", PolicyDocument=json.dumps({
+        "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}))
+    writer = iam.create_access_key(UserName="writer")["AccessKey"]
+    requests.post(f"{s3_endpoint}/moto-api/reset-auth", data=b"0", timeout=10).raise_for_status()  # auth enforced from here
+    try:
+        cfg = load_config(None, tiny_overrides(tmp_path, **{"run.storage_path": "s3://guarded/runs", "run.name": "refused"}))
+        for case, key_id, secret in (("unknown key", ACCESS_KEY, SECRET_KEY), ("wrong secret", key["AccessKeyId"], SECRET_KEY),
+                                     ("no grant", key["AccessKeyId"], key["SecretAccessKey"])):
+            monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id)
+            monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+            code, message = run_job(lambda: run_sft(cfg))
+            assert code == USER_ERROR, (case, code, message)
+            assert message.startswith("\nerror: run.storage_path: the store refused access to bucket 'guarded' with the "
+                                      "credentials of this process (s3://guarded/runs: "), (case, message)
+            assert "they came from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in message, (case, message)
+            assert "export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in message and "AWS_PROFILE" in message, (case, message)
+            assert "\n" not in message.strip() and "Traceback" not in message, (case, message)
+            assert not any(s in message for s in (key_id, secret, key["SecretAccessKey"])), f"a credential in the {case} message"
+        from zerolab.checkpoints import check_storage
+
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", writer["AccessKeyId"])
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", writer["SecretAccessKey"])
+        check_storage("s3://guarded/runs")  # a user the bucket grants passes the same check
+    finally:
+        requests.post(f"{s3_endpoint}/moto-api/reset-auth", data=b"inf", timeout=10).raise_for_status()
+    assert [o["Key"] for o in s3_client(s3_endpoint).list_objects_v2(Bucket="guarded").get("Contents", [])] == ["runs/"]
+    assert not (tmp_path / "mlflow.db").exists()  # found before the store was opened

@@ -302,9 +302,9 @@ def test_ctrl_c_stops_the_sweep_with_130_and_the_printed_command_finishes_it(int
     # Where to look while it runs: the sweep's lasting folder for TensorBoard, the dashboard of the Ray it started.
     assert f"tensorboard --logdir {interrupted_sweep.folder}" in first.output
     assert re.search(r"Ray dashboard \(of the Ray instance this job started; it stops with the job\): http://127\.0\.0\.1:\d+", first.output)
-    # As a stopped job's run: KILLED. A trial actor that Tune stops after the sweep marked its run can
-    # still close it FAILED on its way out (a race between the two; the resume below reopens either).
-    assert len(first.children) == 2 and {c.info.status for c in first.children} <= {"KILLED", "FAILED"}
+    # As a stopped job's run: KILLED, set once by the sweep (the trial Tune stops leaves its run open,
+    # however late its thread unwinds).
+    assert len(first.children) == 2 and {c.info.status for c in first.children} == {"KILLED"}
 
     resumed = interrupted_sweep.resumed
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]

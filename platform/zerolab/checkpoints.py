@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -289,12 +290,11 @@ def check_storage(storage_path: str) -> None:
         fs.delete_file(probe)
     except (OSError, pa.ArrowException) as exc:
         reason = _reason(exc)
-        if "not found" in reason.lower() and ("bucket" in reason.lower() or "container" in reason.lower()):
+        words = reason.lower().replace("_", " ")  # pyarrow writes S3's codes as ACCESS_DENIED
+        if "not found" in words and ("bucket" in words or "container" in words):
             fix = "create the bucket, or fix its name in run.storage_path"
-        elif any(word in reason.lower() for word in ("access denied", "accessdenied", "forbidden", "invalidaccesskeyid",
-                                                     "signaturedoesnotmatch", "credential", "permission", "unauthori")):
-            fix = ("check the credentials this process uses (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE for S3, "
-                   "GOOGLE_APPLICATION_CREDENTIALS for GCS) and that they may write there, or choose a folder you can write to")
+        elif "://" in storage_path and any(word in words for word in _REFUSED):
+            raise StorageUnavailable(_refused(storage_path, shown, reason)) from None
         elif isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             fix = "choose a folder you can write to"
         elif isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
@@ -304,6 +304,40 @@ def check_storage(storage_path: str) -> None:
         else:
             fix = "check the location and that this machine can reach and write it"
         raise StorageUnavailable(f"run.storage_path: cannot write run folders to {shown} ({reason}); {fix}") from None
+
+
+_REFUSED = ("access denied", "accessdenied", "forbidden", "invalidaccesskeyid", "signaturedoesnotmatch", "credential",
+            "permission", "unauthori", "expiredtoken", "invalidtoken")
+"""Words of an object store's answer that mean it refused the caller (S3 answers an unknown key, a
+wrong secret and a missing grant alike with 403 to a HEAD request, which has no body to tell them apart)."""
+
+
+def _refused(storage_path: str, shown: str, reason: str) -> str:
+    """The message for an object store that refused this process's credentials: the bucket, where
+    the credentials came from (never their values) and the variables that set them."""
+
+    parts = urlsplit(storage_path)
+    bucket = parts.hostname or parts.netloc.rpartition("@")[2]
+    if parts.scheme in ("gs", "gcs"):
+        source = ("GOOGLE_APPLICATION_CREDENTIALS" if os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+                  else "the default Google credentials (gcloud auth application-default login, or the node's service account)")
+        fix = ("set GOOGLE_APPLICATION_CREDENTIALS to a service account key file whose account may read and write "
+               f"gs://{bucket}, or grant that to the account in use")
+    else:
+        if "@" in parts.netloc:
+            source = "the keys written in run.storage_path itself"
+        elif os.environ.get("AWS_ACCESS_KEY_ID"):
+            source = "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+        elif os.environ.get("AWS_PROFILE"):
+            source = f"the profile AWS_PROFILE={os.environ['AWS_PROFILE']}"
+        else:
+            source = "AWS's default chain (the default profile in ~/.aws/credentials, or the node's instance role)"
+        fix = ("export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (with AWS_SESSION_TOKEN for temporary keys), or "
+               f"AWS_PROFILE naming a profile in ~/.aws/credentials, for keys that may list, read and write s3://{bucket}; "
+               "on a cluster the nodes' credentials (instance role, or the environment ray start ran in) must allow it too")
+    return (f"run.storage_path: the store refused access to bucket '{bucket}' with the credentials of this process "
+            f"({shown}: {reason}): the keys are wrong, unknown or expired, or they may not write there; they came from "
+            f"{source}. To fix it, {fix}, or choose another run.storage_path")
 
 
 def _reason(exc: BaseException) -> str:

@@ -78,7 +78,8 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
     stops the run like a signal (DeadlineReached).
 
     Under Ray Tune (``in_tune``, from :mod:`zerolab.tune`) every logged window is reported to the
-    trial, and the MLflow run is a child of ``parent_run_id``. ``launched`` (the job process's
+    trial, and the MLflow run is a child of ``parent_run_id``; a trial that Tune stops leaves its run
+    open for the sweep's driver to close with the status Tune saw. ``launched`` (the job process's
     start time) starts the start-up clock and ``run.max_wall_time_s``; by default, the call.
     ``shared_data``: the splits a sweep prepared once for its trials (:func:`prepare_data`).
     ``stop_flag``: a :class:`StopFlag` actor that stops the run when set (a warm trainer's job sets it).
@@ -131,6 +132,12 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
                     return _train(plan, run, record, folder, clock, config_file, in_tune, resume.checkpoint, stopper)
                 except KeyboardInterrupt:
                     run.status, record.status = "KILLED", "stopped"
+                    raise
+                except SystemExit:
+                    # Ray Tune ends the thread of a trial it stops (the sweep's Ctrl-C, ASHA, max_t) this way,
+                    # at the trial's next report, and does not wait for it: the sweep's driver gives the run
+                    # the status Tune saw (tune._finish_children), and a close here could land after it.
+                    run.status, record.status = (None if in_tune else "KILLED"), "stopped"
                     raise
                 finally:
                     with stop.shielded():

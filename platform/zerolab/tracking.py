@@ -296,12 +296,13 @@ def _artifact_location(uri: str) -> str | None:
 @dataclass
 class TrackedRun:
     """An open MLflow run: where it is, whether it was resumed, and the status it will end with
-    (``FAILED`` unless the body that uses it says otherwise)."""
+    (``FAILED`` unless the body that uses it says otherwise; None leaves it open for another
+    process to close)."""
 
     uri: str
     run_id: str
     resumed: bool
-    status: str = "FAILED"
+    status: str | None = "FAILED"
 
     def log_params(self, params: dict[str, Any]) -> None:
         log_params(self.uri, self.run_id, params)
@@ -317,8 +318,8 @@ class TrackedRun:
 def tracked_run(uri: str, experiment: str, run_name: str, *, tags: dict[str, str] | None = None, new: bool = False,
                 run_id: str | None = None) -> Iterator[TrackedRun]:
     """Open (or resume, see :func:`open_run`) a run and close it however the body ends: with the
-    status the body set on it, ``KILLED`` on an interrupt, ``FAILED`` on an error. Every job's MLflow
-    run (training, sweep, trial, evaluation) goes through here."""
+    status the body set on it (open if it set None), ``KILLED`` on an interrupt, ``FAILED`` on an
+    error. Every job's MLflow run (training, sweep, trial, evaluation) goes through here."""
     found, resumed = open_run(uri, experiment, run_name, tags=tags, new=new, run_id=run_id)
     run = TrackedRun(uri, found, resumed)
     try:
@@ -327,7 +328,8 @@ def tracked_run(uri: str, experiment: str, run_name: str, *, tags: dict[str, str
         run.status = "KILLED"
         raise
     finally:
-        close_run(uri, found, run.status)
+        if run.status is not None:
+            close_run(uri, found, run.status)
 
 
 class NotInStore(LookupError):

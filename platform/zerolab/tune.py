@@ -373,8 +373,9 @@ def _finish_children(uri: str, experiment: str, rows: list[TrialRow]) -> None:
     """Give each trial's MLflow run the status Tune saw (and a row whose run finished, that status).
     Tune ends a trial by stopping its actor, at
     ASHA's decision, right after the last report when the trial reached ``max_t``, or when the sweep
-    is stopped, so the run may still say RUNNING or FAILED (an interrupted trial's run ends KILLED,
-    as a stopped job's does, and ``--resume`` reopens it); a trial that finished training gets its
+    is stopped, so the run may still say RUNNING (a trial stopped at a report leaves its run open for
+    this, see :func:`zerolab.run.run_sft`) or FAILED (an interrupted trial's run ends KILLED, as a
+    stopped job's does, and ``--resume`` reopens it); a trial that finished training gets its
     adapter logged from the checkpoint it reported if the actor stopped before doing so."""
     from ray.train import Checkpoint
 
