@@ -49,7 +49,7 @@ try:
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
 
-SHAPES = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B", "qwen2.5-7b": "Qwen/Qwen2.5-7B", "tiny": None}
+SHAPES = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B", "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B", "qwen2.5-7b": "Qwen/Qwen2.5-7B", "tiny": None}
 """Calibration shape -> the KNOWN_CONFIGS entry it copies (tiny: the built-in model itself)."""
 
 COLUMNS = ["case", "device", "status", "seconds", "pred_gpu_alloc_gib", "meas_gpu_alloc_gib", "err_gpu_alloc_pct",
@@ -234,6 +234,18 @@ CASES: dict[str, list[Case]] = {
         Case("qwen2.5-0.5b", "adalora", 0, micro_batch=16, seq_len=128, packing=False, precision="fp32", steps=4),
         Case("qwen2.5-0.5b", "dora", 2, micro_batch=4, seq_len=1024, data="mix", steps=4),
         Case("qwen2.5-7b", "lora", 3, micro_batch=1, seq_len=2048, data="mix", checkpointing=True, steps=3),
+    ],
+    # Held-out set H, after the reserved-memory terms (the largest block the allocator keeps cached),
+    # ZeRO 1-2's flattened gradient copy and the gather buffers of parameter offload scaled by the
+    # largest parameter, all fitted to set G and the calibration: one H100, about 7 minutes, fitted
+    # to nothing. A shape not run before (1.5B) at ZeRO-2's step peak and with all offload, full
+    # ZeRO-2 at its forward/backward peak on one GPU, DoRA at ZeRO-2, AdaLoRA's host in fp32.
+    "held-out-h": [
+        Case("qwen2.5-1.5b", "full", 2, micro_batch=8, seq_len=128, packing=False, steps=4),
+        Case("qwen2.5-1.5b", "lora", 3, "all", micro_batch=8, seq_len=256, steps=4),
+        Case("qwen2.5-0.5b", "full", 2, micro_batch=4, seq_len=768, data="mix", steps=4),
+        Case("qwen2.5-0.5b", "dora", 2, micro_batch=8, seq_len=256, packing=False, steps=4),
+        Case("qwen2.5-0.5b", "adalora", 0, micro_batch=4, seq_len=512, data="mix", precision="fp32", steps=4),
     ],
     "tiny": [Case("tiny", "lora", 2, workers=2, micro_batch=32, seq_len=512, gpu=False, steps=4),
              Case("tiny", "lora", 3, "all", workers=2, micro_batch=8, seq_len=128, gpu=False, steps=4)],
@@ -563,10 +575,13 @@ def _append_row(path: Path, row: dict[str, Any]) -> None:
 def fit_calibration(rows: list[dict[str, str]]) -> dict[str, float]:
     """Fit the stack-dependent constants to the measured rows. ``framework_device_bytes`` moves
     every GPU prediction by the same amount: its fit is the current value plus the median residual.
-    ``reserved_factor`` (ZeRO 0-2) and ``reserved_factor_zero3`` (without parameter offload) are the
-    medians of measured reserved / allocated; ``reserved_param_offload_bytes`` the median of measured
-    reserved − ``reserved_factor_zero3`` × allocated with parameter offload. On GPU the host baseline of a
-    worker and the share of the checkpoint resident while ZeRO 0-2 load it
+    Reserved memory is the allocated peak plus the larger of a share of it and the largest block
+    the estimate expects cached (``zerolab.memory.terms.cached_blocks``): ``reserved_factor``
+    (ZeRO 0-2) and ``reserved_factor_zero3`` (without parameter offload) are the medians of measured
+    reserved / allocated over the rows where the share is the larger; ``reserved_param_offload_factor``
+    the median of measured (reserved − allocated) / the largest gathered parameter's bytes over the
+    rows with parameter offload where those buffers are the largest cached block. On GPU the host
+    baseline of a worker and the share of the checkpoint resident while ZeRO 0-2 load it
     (``host_process_gpu_bytes``, ``host_load_factor_gpu``) are fitted together by least squares
     over the GPU rows at ZeRO 0-2 without offload, where a prediction is linear in both; on CPU the
     rest of a worker's baseline beyond its measured imports (``host_process_cpu_bytes``) is the
@@ -579,22 +594,48 @@ def fit_calibration(rows: list[dict[str, str]]) -> dict[str, float]:
     if gpu:
         fitted["framework_device_bytes"] = max(0.0, statistics.median(
             float(r["meas_gpu_alloc_gib"]) - float(r["pred_gpu_alloc_gib"]) + float(r["base_framework_gib"]) for r in gpu)) * 1024**3
-        for key, rows_of_key in (("reserved_factor", [r for r in gpu if not _zero3(r)]),
-                                 ("reserved_factor_zero3", [r for r in gpu if _zero3(r) and not _param_offload(r)])):
+        cal = DEFAULT_CALIBRATION
+        with_overrides = [r for r in gpu if r.get("overrides")]
+        by_share = [r for r in with_overrides if not _param_offload(r) and _decided_by_share(r)]
+        for key, rows_of_key in (("reserved_factor", [r for r in by_share if not _zero3(r)]),
+                                 ("reserved_factor_zero3", [r for r in by_share if _zero3(r)])):
             if rows_of_key:
                 fitted[key] = statistics.median(float(r["meas_gpu_reserved_gib"]) / float(r["meas_gpu_alloc_gib"]) for r in rows_of_key)
-        offload = [r for r in gpu if _zero3(r) and _param_offload(r)]
-        if offload:
-            factor = fitted.get("reserved_factor_zero3", DEFAULT_CALIBRATION.reserved_factor_zero3)
-            fitted["reserved_param_offload_bytes"] = max(0.0, statistics.median(
-                float(r["meas_gpu_reserved_gib"]) - factor * float(r["meas_gpu_alloc_gib"]) for r in offload)) * 1024**3
-        fitted.update(_fit_gpu_host([r for r in gpu if r.get("overrides")]))
+        ratios = []
+        for r in with_overrides:
+            if not (_zero3(r) and _param_offload(r)):
+                continue
+            est = _estimate_of(r)
+            gathered = est.device_cached.get("gathered parameter buffers", 0)
+            if gathered and gathered == max(est.device_cached.values()):
+                largest = gathered / cal.reserved_param_offload_factor
+                ratios.append((float(r["meas_gpu_reserved_gib"]) - float(r["meas_gpu_alloc_gib"])) * 1024**3 / largest)
+        if ratios:
+            fitted["reserved_param_offload_factor"] = max(0.0, statistics.median(ratios))
+        fitted.update(_fit_gpu_host(with_overrides))
     cpu = [r for r in ok if r not in gpu]
     if cpu:
         fitted["host_process_cpu_bytes"] = statistics.median(
             (float(r["meas_host_workers_gib"]) - float(r["pred_host_workers_gib"])) / int(r["workers"]) + float(r["base_host_process_gib"])
             for r in cpu) * 1024**3
     return fitted
+
+
+def _estimate_of(row: dict[str, str]) -> Any:
+    """The estimate of ``row``'s run from its overrides (not data-aware)."""
+    from zerolab.config import load_config
+    from zerolab.memory import estimate
+
+    return estimate(load_config(None, estimate_overrides(json.loads(row["overrides"]))), shape_model_config(row["shape"]))
+
+
+def _decided_by_share(row: dict[str, str]) -> bool:
+    """Whether the estimate puts ``row``'s reserved memory down to a share of its peak rather than
+    to one large cached block."""
+    est = _estimate_of(row)
+    cal = est.calibration
+    factor = cal.reserved_factor if est.option.stage < 3 else cal.reserved_factor_zero3
+    return est.device_peak * (factor - 1) >= max(est.device_cached.values(), default=0)
 
 
 def _zero3(row: dict[str, str]) -> bool:

@@ -39,15 +39,21 @@ class Calibration:
     reserved_factor: float = 1.003
     """Peak reserved / peak allocated of torch's caching allocator at ZeRO 0-2, with the expandable
     segments zerolab's workers use (``zerolab.cluster.CUDA_ALLOC_CONF``): the median of the calibration
-    runs (1.001-1.004 with LoRA, 1.07 for full fine-tuning). With fixed-size blocks it was 1.01-2.8."""
+    runs whose reserved memory no single large block decides (1.001-1.004 with LoRA). With
+    fixed-size blocks it was 1.01-2.8. Where a step frees and re-allocates blocks larger than this
+    share of the peak (full fine-tuning's fp32 logits and flat gradient copy:
+    :func:`~zerolab.memory.terms.cached_blocks`), the largest of them is what is cached instead."""
     reserved_factor_zero3: float = 1.049
-    """The same under ZeRO-3 without parameter offload, which gathers and frees every frozen weight
-    each pass (measured 1.04-1.06 with LoRA)."""
-    reserved_param_offload_bytes: int = 1354 * MIB
-    """ZeRO-3 with parameter offload: what the allocator holds on top of ``reserved_factor_zero3`` ×
-    allocated — the freed buffers of whole gathered parameters and of partitions copied from the
-    host, cached between modules (fitted: the median of measured reserved − factor × allocated;
-    measured 1.1-1.6 GiB on 0.5B and 7B, 1 and 2 GPUs)."""
+    """The same under ZeRO-3, which gathers and frees every frozen weight each pass (measured
+    1.04-1.06 with LoRA without parameter offload)."""
+    reserved_param_offload_factor: float = 1.54
+    """ZeRO-3 with parameter offload: the allocator keeps the buffers of the largest gathered
+    parameter cached between its uses (its partition copied from the host and its gathered whole),
+    this many times its 16-bit size (:func:`~zerolab.memory.terms.largest_gathered`; fitted: the
+    median of measured (reserved − allocated) / that size over the calibration runs where it is
+    the largest cached block: 1.28 and 1.79 on the 7B LoRA runs of 2 and 1 GPUs, whose embeddings
+    are 1.0 GiB; held out, 1.8-2.0 on 0.5B LoRA runs of 1,104 tokens, whose embeddings are 0.25
+    GiB). A constant fitted to the 7B runs (1,354 MiB) over-counted the 0.5B shape by 0.6-1.0 GiB."""
     cuda_context_bytes: int = 600 * MIB
     """Per GPU process, outside torch's allocator (so not in ``mem/gpu_*``, but on the card): CUDA
     context, loaded kernel images, cuBLAS/cuDNN handles."""

@@ -17,8 +17,10 @@ from zerolab.memory.host import host_components
 from zerolab.memory.options import Estimate
 from zerolab.memory.shapes import ModelShape, max_position_embeddings, parameter_inventory, target_projections
 from zerolab.memory.terms import (
+    cached_blocks,
     deepspeed_buffers,
     dequantized_transient,
+    flat_gradient_copy,
     fp8_transient,
     fp8_weights,
     framework,
@@ -109,7 +111,7 @@ def device_components(job: EstimateContext) -> tuple[dict[str, int], dict[str, i
     if job.stage == 0:
         # After the backward DeepSpeed flattens the gradients into all-reduce buckets of up to
         # 5e8 elements, on one GPU as well (engine.allreduce_bucket); the step's buffers come later.
-        phases["gradient all-reduce"] = persistent + c["gradients"] + min(job.T, 500_000_000) * job.e + logits
+        phases["gradient all-reduce"] = persistent + c["gradients"] + flat_gradient_copy(job) + logits
     if job.gathers():
         first_layer = job.tokens * (job.e * job.shape.hidden_size + activation_bytes_per_layer(job))
         phases["forward start"] = persistent + held_grads + gathered_at_start(job) + first_layer
@@ -132,7 +134,8 @@ def build_estimate(job: EstimateContext) -> Estimate:
         micro_batch_size=job.batch.micro_batch.rows, seq_len=job.seq_len,
         gradient_checkpointing=job.cfg.model.gradient_checkpointing, total_params=job.P - sum(
             p.total for p in job.inv if p.adapter and not p.trainable), trainable_params=job.T,
-        device=components, device_phases=phases, device_outside_allocator=outside, host_worker=host_worker,
+        device=components, device_phases=phases, device_outside_allocator=outside,
+        device_cached=cached_blocks(job) if job.gpu else {}, host_worker=host_worker,
         host_worker_phases=host_phases, host_other_worker_phases=host_other, host_node=host_node, calibration=job.cal, notes=tuple(job.notes),
         batch=job.batch,
     )

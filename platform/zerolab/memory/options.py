@@ -83,6 +83,9 @@ class Estimate:
     """Live device bytes at the moments that can peak: init, forward/backward, optimizer step."""
     device_outside_allocator: dict[str, int]
     """Per GPU, outside torch's allocator: CUDA context, NCCL."""
+    device_cached: dict[str, int]
+    """Large blocks each step frees and allocates again, of which the allocator keeps the largest
+    cached beside the peak (``zerolab.memory.terms.cached_blocks``)."""
     host_worker: dict[str, int]
     """Per worker process (``checkpoint save`` on rank 0 only)."""
     host_worker_phases: dict[str, int]
@@ -114,10 +117,13 @@ class Estimate:
         """Peak reserved by torch's caching allocator (compare with ``mem/gpu_peak_reserved_gib``)."""
         if not self.use_gpu:
             return self.device_peak
+        # What the allocator holds beyond the live tensors is the larger of a share of the peak
+        # (the churn of many activation-sized blocks, LoRA's case) and one large block freed and
+        # allocated again each step, cached where it no longer fits (full fine-tuning's logits and
+        # gradient copies, parameter offload's gather buffers).
         cal = self.calibration
-        if self.option.stage < 3:
-            return int(self.device_peak * cal.reserved_factor)
-        return int(self.device_peak * cal.reserved_factor_zero3) + (cal.reserved_param_offload_bytes if self.option.offload == "all" else 0)
+        factor = cal.reserved_factor if self.option.stage < 3 else cal.reserved_factor_zero3
+        return self.device_peak + max(int(self.device_peak * (factor - 1)), max(self.device_cached.values(), default=0))
 
     @property
     def device_total(self) -> int:

@@ -197,10 +197,12 @@ def deepspeed_buffers(job: EstimateContext) -> int:
     of the gradient all-reduce, min(T, 5e8)·e; in bf16/fp16 the fp32 gradient copies the step
     reads, 4·T. ZeRO 1-2: reduce buckets (two with overlap_comm) of reduce_bucket_size·e and the
     fp32 gradient partition of the step, 4·⌈T/N⌉. ZeRO-3: one reduce bucket and the fp32
-    gradient partition, which the step makes from a flattened 16-bit copy of the gradients
-    (``_prepare_fp32_grad_for_sub_group``: e·⌈T/N⌉ more while both exist; in fp32 the copy is the
-    partition itself). Offload: the buckets only (the gradient staging buffer is held all along:
-    :func:`offload_gradient_buffer`)."""
+    gradient partition. ZeRO 1-3 make that partition from a flattened 16-bit copy of the
+    partition's gradients, which is alive with them and with the fp32 result while it is cast:
+    e·⌈T/N⌉ more (ZeRO 1-2: ``flatten(averaged_gradients)`` then ``.to(float32)`` in
+    ``stage_1_and_2.step``; ZeRO-3: ``_prepare_fp32_grad_for_sub_group``); in fp32 the cast
+    returns the copy itself, which is the partition. Offload: the buckets only (the gradient
+    staging buffer is held all along: :func:`offload_gradient_buffer`)."""
     e, k = job.e, job.knobs
     if job.stage == 0:
         allreduce = min(job.T, 500_000_000) * e if job.n > 1 else 0
@@ -208,8 +210,44 @@ def deepspeed_buffers(job: EstimateContext) -> int:
     buckets = (2 if k.overlap_comm and job.stage < 3 else 1) * min(k.reduce_bucket_size, max(job.T, 1)) * e
     if job.offload_opt:
         return buckets
-    flattened = e * job.part(job.T) if job.stage == 3 and e != 4 else 0
-    return buckets + 4 * job.part(job.T) + flattened
+    # In fp32 the cast returns the flattened copy itself: it is the partition counted above.
+    return buckets + 4 * job.part(job.T) + (flat_gradient_copy(job) if e != 4 else 0)
+
+
+def flat_gradient_copy(job: EstimateContext) -> int:
+    """The flat 16-bit copy of the gradients each step makes and frees: ZeRO-0's all-reduce
+    bucket, min(T, 5e8)·e, made on one GPU as well (``engine.allreduce_bucket``); ZeRO 1-3's
+    flattened partition, e·⌈T/N⌉, from which the fp32 partition is cast; none under optimizer
+    offload, which streams each gradient to the host."""
+    if job.stage == 0:
+        return min(job.T, 500_000_000) * job.e
+    return 0 if job.offload_opt else job.part(job.T) * job.e
+
+
+def largest_gathered(job: EstimateContext) -> int:
+    """ZeRO-3: the largest parameter gathered whole, e·numel (the embeddings, or an untied head)."""
+    return job.e * max((p.numel for p in job.inv if not job.persistent(p)), default=0)
+
+
+def cached_blocks(job: EstimateContext) -> dict[str, int]:
+    """The large blocks each step frees and allocates again, of which torch's allocator keeps one
+    cached beside the peak (:attr:`~zerolab.memory.options.Estimate.device_reserved`): with
+    expandable segments a block that no longer fits where it was freed extends the segment at its
+    end, and the range it left is taken only in part by the smaller tensors that follow.
+
+    - The loss's fp32 logits, 4·V per token, where the logits are materialised (the head trains, or
+      no fused loss): the upcast that cross-entropy's log-softmax reads, freed before the backward
+      allocates the two fp32 gradients of the same size.
+    - The flat 16-bit copy of the gradients (:func:`flat_gradient_copy`).
+    - With parameter offload, the buffers of the largest gathered parameter: its partition copied
+      from the host and its gathered whole, freed after its module and fetched again for the next
+      (``reserved_param_offload_factor`` × :func:`largest_gathered`).
+    """
+    blocks = {"fp32 logits": 0 if job.fused_loss else 4 * job.shape.vocab_size * job.tokens,
+              "flat gradient copy": flat_gradient_copy(job)}
+    if job.stage == 3 and job.offload_param:
+        blocks["gathered parameter buffers"] = int(job.cal.reserved_param_offload_factor * largest_gathered(job))
+    return blocks
 
 
 def framework(job: EstimateContext) -> int:
