@@ -32,7 +32,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMS = ("zerolab", "zerolab-torchrun", "seeds", "plain")
-SHAPE_IDS = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B", "qwen2.5-7b": "Qwen/Qwen2.5-7B"}
+SHAPE_IDS = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B", "qwen2.5-7b": "Qwen/Qwen2.5-7B", "qwen2.5-14b": "Qwen/Qwen2.5-14B"}
 
 COLUMNS = ["run", "system", "shape", "gpus", "stage", "offload", "variant", "micro_batch", "checkpointing", "steps",
            "tokens_per_s_per_gpu", "step_s", "mfu", "tokens_per_step", "gpu_peak_allocated_gib", "gpu_peak_reserved_gib",
@@ -223,6 +223,23 @@ SUITES: dict[str, list[Run]] = {
     # The ZeRO-3 target with compiled layers: ZeRO-2 and ZeRO-3 (leaf layers) on two GPUs, 1 packed 4k row.
     "compile-zero3-7b-2gpu": [Run("zerolab", "qwen2.5-7b", gpus=2, stage=stage, steps=12, window=6, variant="compile", timeout_s=360,
                                   overrides=("model.compile=true",)) for stage in (2, 3)],
+    # Quantized bases (model.quantization), 7B on one GPU: bf16 LoRA at its recommended setting (ZeRO-2,
+    # two packed 4k rows) beside nf4 at one row with gradient checkpointing (the memory figure) and at
+    # two rows without (the throughput figure), and int8 at one row with checkpointing.
+    "qlora-7b": [Run("zerolab", "qwen2.5-7b", stage=2, micro_batch=mb, steps=12, window=6, checkpointing=ckpt, variant=variant,
+                     timeout_s=300, overrides=(f"model.quantization={q}",))
+                 for variant, q, mb, ckpt in (("bf16-mb2", "none", 2, False), ("nf4-mb1-ckpt", "nf4", 1, True),
+                                              ("nf4-mb2", "nf4", 2, False), ("int8-mb1-ckpt", "int8", 1, True))],
+    # 14B nf4 at one packed 4k row on one GPU (does it fit a 24 GB card?).
+    "qlora-14b": [Run("zerolab", "qwen2.5-14b", stage=2, steps=8, window=4, checkpointing=True, variant="nf4-mb1-ckpt", timeout_s=420,
+                      overrides=("model.quantization=nf4",))],
+    # 14B QLoRA sharded: ZeRO-2 against ZeRO-3 over two GPUs, nf4 and int8, one packed 4k row per GPU.
+    "qlora-14b-2gpu": [Run("zerolab", "qwen2.5-14b", gpus=2, stage=stage, steps=8, window=4, checkpointing=True, variant=f"{q}-mb1-ckpt",
+                           timeout_s=420, overrides=(f"model.quantization={q}",)) for q in ("nf4", "int8") for stage in (2, 3)],
+    # QLoRA's accuracy: bf16 LoRA and nf4 on the same data and seed, 200 steps, the loss every 10
+    # (bench/loss_curves.py compares them).
+    "qlora-curve-0.5b": [Run("zerolab", "qwen2.5-0.5b", micro_batch=4, steps=200, window=10, variant=f"{q}-curve", timeout_s=420,
+                             overrides=(f"model.quantization={q}",)) for q in ("none", "nf4")],
     # CPU smoke test of the harness itself (tiny model, no GPU): every system runs a few steps.
     "cpu-smoke": [Run(s, "tiny", micro_batch=2, steps=4, window=2, checkpointing=s == "seeds", attn="sdpa", kernels="none",
                       timeout_s=600) for s in SYSTEMS],
