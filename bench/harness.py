@@ -230,6 +230,10 @@ SUITES: dict[str, list[Run]] = {
                      timeout_s=300, overrides=(f"model.quantization={q}",))
                  for variant, q, mb, ckpt in (("bf16-mb2", "none", 2, False), ("nf4-mb1-ckpt", "nf4", 1, True),
                                               ("nf4-mb2", "nf4", 2, False), ("int8-mb1-ckpt", "int8", 1, True))],
+    # What gradient checkpointing costs a quantized base: bf16 at one row with it, nf4 at one row without.
+    "qlora-7b-ckpt": [Run("zerolab", "qwen2.5-7b", stage=2, steps=12, window=6, checkpointing=ckpt, variant=variant, timeout_s=300,
+                          overrides=(f"model.quantization={q}",))
+                      for variant, q, ckpt in (("bf16-mb1-ckpt", "none", True), ("nf4-mb1", "nf4", False))],
     # 14B nf4 at one packed 4k row on one GPU (does it fit a 24 GB card?).
     "qlora-14b": [Run("zerolab", "qwen2.5-14b", stage=2, steps=8, window=4, checkpointing=True, variant="nf4-mb1-ckpt", timeout_s=420,
                       overrides=("model.quantization=nf4",))],
