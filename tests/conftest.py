@@ -241,3 +241,22 @@ def mlflow_server(tmp_path_factory):
         proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@pytest.fixture(scope="module")
+def gpu_ray():
+    """A local Ray instance whose workers see the GPUs and use DeepSpeed's CUDA accelerator: workers
+    inherit the environment Ray starts with, and the suite's conftest sets DS_ACCELERATOR=cpu. A
+    CPU instance of the session is stopped first (the next test that needs one starts it again)."""
+    import ray
+
+    from zerolab.cluster import connect_ray
+    from zerolab.config import load_config
+
+    ray.shutdown()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DS_ACCELERATOR", "cuda")
+        mp.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow-skinny's file store (case_config), MLflow 3 refuses it otherwise
+        connect_ray(load_config(None, ["scaling.use_gpu=true"]))
+        yield ray
+        ray.shutdown()

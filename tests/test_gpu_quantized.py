@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_gpu_tier import GPUS, STEPS, case_config, gpu_ray, probe_logits  # noqa: F401 (gpu_ray: a fixture)
 
 from conftest import trained_state
+from test_gpu_tier import GPUS, case_config, probe_logits, relative_error
 from zerolab import adapters
 from zerolab.config import ModelSpec, SFTConfig
 from zerolab.engine import DTYPES
@@ -72,16 +72,19 @@ def check_quantized_case(tmp_path: Path, model_path: str, overrides: list[str], 
     assert all(map(math.isfinite, losses)) and losses[-1] < losses[0], losses
 
     saved = load_file(str(Path(result.adapter_path) / "adapter_model.safetensors"))
-    assert saved and all(t.numel() and torch.isfinite(t).all() for t in saved.values())
-    assert all(t.abs().max() > 0 for k, t in saved.items() if "lora_B" in k), "an adapter's B stayed at its zero init"
+    assert saved and all(torch.isfinite(t).all() for t in saved.values())
+    if cfg.adapter.method != "adalora":  # AdaLoRA may prune a module to rank 0
+        assert all(t.numel() for t in saved.values()), "an empty tensor was saved"
+        assert all(t.abs().max() > 0 for k, t in saved.items() if "lora_B" in k), "an adapter's B stayed at its zero init"
 
     device = torch.device("cuda")
     reference = probe_logits(quantized_reference(cfg, Path(result.checkpoint_path), device), device)
     spec = ModelSpec(name_or_path=cfg.model.name_or_path, quantization=cfg.model.quantization)
     reloaded = probe_logits(PeftModel.from_pretrained(load_model(spec, DTYPES[cfg.precision()], device), result.adapter_path), device)
     plain = probe_logits(load_model(ModelSpec(name_or_path=cfg.model.name_or_path), DTYPES[cfg.precision()], device), device)
-    torch.testing.assert_close(reloaded, reference, rtol=1e-2, atol=1e-2)
-    assert ((reference - plain).norm() / plain.norm()).item() > 1e-3
+    # peft reloads the adapter in fp32 beside the bf16 base (zerolab trains it in bf16): bf16 rounding apart.
+    assert relative_error(reloaded, reference) < 1e-2
+    assert relative_error(reference, plain) > 1e-3
     return result
 
 
@@ -104,6 +107,7 @@ def test_qlora_zero3_on_two_gpus_resumes_after_a_killed_worker(gpu_ray, tmp_path
     import ray
     from mlflow import MlflowClient
     from ray.util.state import list_actors
+
     from test_fault_tolerance import wait_for_checkpoint
 
     overrides = ["model.quantization=nf4", "deepspeed.stage=3", "run.max_failures=1", "train.max_steps=24",

@@ -93,24 +93,6 @@ torch.save(out, out_file)
 """What a user runs to load a result (docs/running.md, "Using the result"), in a process of its own."""
 
 
-@pytest.fixture(scope="module")
-def gpu_ray():
-    """A local Ray instance whose workers see the GPUs and use DeepSpeed's CUDA accelerator: workers
-    inherit the environment Ray starts with, and the suite's conftest sets DS_ACCELERATOR=cpu. A
-    CPU instance of the session is stopped first (the next test that needs one starts it again)."""
-    import ray
-
-    from zerolab.cluster import connect_ray
-
-    ray.shutdown()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DS_ACCELERATOR", "cuda")
-        mp.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow-skinny's file store (case_config), MLflow 3 refuses it otherwise
-        connect_ray(load_config(None, ["scaling.use_gpu=true"]))
-        yield ray
-        ray.shutdown()
-
-
 def case_config(tmp_path: Path, model_path: str, overrides: list[str], num_workers: int, *, use_gpu: bool = True) -> SFTConfig:
     # A worker group even for one GPU: each case in a fresh process with DeepSpeed's CUDA accelerator.
     # In this process DeepSpeed may run on the CPU tier's (DS_ACCELERATOR=cpu): a ZeRO-3 case trained
