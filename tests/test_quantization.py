@@ -110,7 +110,8 @@ def test_the_estimate_counts_packed_weights_and_their_constants():
     assert sharded.device["weights"] < 0.6 * nf4.device["weights"]
     int8 = estimate(load_config(None, [*overrides, "model.quantization=int8"]), config)
     rows = sum(o for _, o in shape.linear_shapes().values()) * shape.num_layers
-    assert int8.device["weights"] == pytest.approx(linear + 4 * rows + rest * 2 + adapters, rel=1e-6)
+    held = linear * quantization.INT8_HELD_BYTES_PER_WEIGHT
+    assert int8.device["weights"] == pytest.approx(linear + 4 * rows + held + rest * 2 + adapters, rel=1e-6)
 
 
 # --- DeepSpeed over two ranks (gloo) --------------------------------------------------------------

@@ -25,18 +25,21 @@ def weights(job: EstimateContext) -> int:
 def quantization_constants(job: EstimateContext) -> int:
     """What bitsandbytes keeps beside each quantized weight, whole on every rank (ZeRO-3 partitions
     only the weight tensor): 4-bit, the absmax per block of 64 weights (nf4: 8-bit, plus an fp32
-    constant per 256 blocks; fp4: fp32); int8, an fp32 scale per output row."""
+    constant per 256 blocks; fp4: fp32); int8, an fp32 scale per output row, and what its layers
+    were measured to hold beyond that (``zerolab.quantization.INT8_HELD_BYTES_PER_WEIGHT``)."""
     if job.quantization == "none":
         return 0
-    from zerolab.quantization import bytes_per_row, bytes_per_weight
+    from zerolab.quantization import INT8_HELD_BYTES_PER_WEIGHT, bytes_per_row, bytes_per_weight
 
     packed = 1.0 if job.quantization == "int8" else 0.5
+    # LLM.int8()'s layers held more than their weights and scales (measured; see INT8_HELD_BYTES_PER_WEIGHT).
+    held = INT8_HELD_BYTES_PER_WEIGHT if job.quantization == "int8" else 0.0
     shapes = job.shape.linear_shapes()
     total = 0.0
     for p in job.inv:
         if job.quantized(p):
             rows = shapes[p.module.removeprefix("layers.")][1]
-            total += p.count * (p.numel * (bytes_per_weight(job.quantization) - packed) + rows * bytes_per_row(job.quantization))
+            total += p.count * (p.numel * (bytes_per_weight(job.quantization) - packed + held) + rows * bytes_per_row(job.quantization))
     return int(total)
 
 
