@@ -56,16 +56,15 @@ def build_model(cfg: SFTConfig, ds_config: dict, total_steps: int, *, zero3: Zer
     A quantized base (``model.quantization``) loads through bitsandbytes (``zerolab.quantization``)."""
     dtype = DTYPES[cfg.precision()]
     quantized = cfg.model.quantization != "none"
-    zero3_now = cfg.deepspeed.stage == 3 and not quantized
-    if zero3_now:
+    if cfg.deepspeed.stage == 3 and not quantized:
         zero3.enable(ds_config)  # from_pretrained partitions the weights as they load
-    # On CPU the model is where it loads; ZeRO-3 partitions the weights as they load, except a
+    # On CPU the model is where it loads. ZeRO-3 partitions the weights as they load, except a
     # quantized base's: transformers loads those whole, quantized on the device through a device
-    # map (which it refuses while ZeRO-3's switch is on), and ``deepspeed.initialize`` partitions them.
+    # map, and ``deepspeed.initialize`` partitions them.
     on_device = device is not None and device.type != "cpu" and (cfg.deepspeed.stage < 3 or quantized)
     model = load_model(cfg.model, dtype, device if on_device else None)
-    if cfg.deepspeed.stage == 3 and not zero3_now:
-        zero3.enable(ds_config)
+    if cfg.deepspeed.stage == 3 and quantized:
+        zero3.enable(ds_config)  # only now: transformers refuses a device map while it is on
     head_trains = not cfg.adapter.is_peft() or "lm_head" in cfg.adapter.target_modules
     fused_loss = kernels.use_fused_loss(cfg.model.kernels, use_gpu=cfg.scaling.use_gpu, head_trains=head_trains)
     if cfg.model.kernels != "none" and cfg.scaling.use_gpu:
