@@ -139,11 +139,15 @@ class MicroBatches:
     block-diagonal attention, so packed samples do not see each other) and the samples' boundaries
     in the flattened micro-batch (``packed_cu_seqlens``, for the varlen attention kernel);
     ``micro_batch_size`` such sequences form a micro-batch.
+
+    ``width_multiple`` pads every micro-batch's width to a multiple of it (sequence parallelism
+    splits each sequence into that many equal slices; the padding is one more ignored sequence).
     """
 
     def __init__(self, rows: list[tuple[np.ndarray, np.ndarray]], *, micro_batch_size: int, max_seq_length: int,
-                 packing: bool, pad_id: int, seed: int) -> None:
+                 packing: bool, pad_id: int, seed: int, width_multiple: int = 1) -> None:
         self.rows = rows
+        self.width_multiple = width_multiple
         self.micro_batch_size = micro_batch_size
         self.max_seq_length = max_seq_length
         self.packing = packing
@@ -190,7 +194,7 @@ class MicroBatches:
         seqs = [np.concatenate([self.rows[i][0] for i in seq]) for seq in batch]
         labs = [np.concatenate([self.rows[i][1] for i in seq]) for seq in batch]
         lengths = [len(s) for s in seqs]
-        width = max(lengths)
+        width = -(-max(lengths) // self.width_multiple) * self.width_multiple
         input_ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
         labels = torch.full((len(seqs), width), IGNORE_INDEX, dtype=torch.long)
         for r, (s, lab) in enumerate(zip(seqs, labs)):

@@ -175,6 +175,8 @@ class ScalingSpec:
     """How Ray places the workers: PACK fills nodes (fast NVLink/shm), SPREAD spreads them over nodes."""
     launch: Literal["auto", "workers", "driver"] = "auto"
     """Where training runs: `workers`, Ray Train's worker group (a process per worker, placed by Ray, retried with `run.max_failures`); `driver`, the job's own process as the one worker (Ray Train's local mode: no worker group to start, 15-30 s less before the first step; needs `num_workers` 1 and `run.max_failures` 0); `auto`, `driver` where it can run and owns its resources (a machine of its own with no `RAY_ADDRESS`, where the job then starts no Ray at all; a Tune trial's reserved CPUs/GPU; a job submitted with `ray job submit --entrypoint-num-gpus 1` or, on CPUs, `--entrypoint-num-cpus`), else `workers`."""
+    sequence_parallel_size: int = 1
+    """Ulysses sequence parallelism (DeepSpeed's ALST): each row's tokens are split over this many workers, whose attention trades the sequence split for a head split (all-to-all); rows are shared out over `num_workers / sequence_parallel_size` data-parallel groups. Must divide `num_workers` and the model's attention heads; 1: off (docs/sequence_parallel.md)."""
     keep_warm_s: float = 0.0
     """On a running cluster (`RAY_ADDRESS`, as `ray job submit` sets), a one-worker job trains in a warm trainer on its node: a process that imported the training stack once and stays up this many seconds after each job, so the next job submitted there starts without those imports (the job's own process imports none of them). Submit without entrypoint resources (the trainer holds the GPU). 0: off."""
 
@@ -291,10 +293,16 @@ class SFTConfig:
         return "bf16" if self.scaling.use_gpu else "fp32"
 
     def world_size(self) -> int:
+        """Worker processes (ranks)."""
         return self.scaling.num_workers
 
+    def data_parallel_size(self) -> int:
+        """Data shards: groups of `scaling.sequence_parallel_size` ranks share one and split its rows' tokens."""
+        return self.scaling.num_workers // max(1, self.scaling.sequence_parallel_size)
+
     def global_batch_size(self) -> int:
-        return self.train.micro_batch_size * self.train.grad_accum_steps * self.scaling.num_workers
+        """Rows (packed sequences with `data.packing`) per optimizer step over all data-parallel groups."""
+        return self.train.micro_batch_size * self.train.grad_accum_steps * self.data_parallel_size()
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> SFTConfig:
@@ -434,6 +442,7 @@ def validate(cfg: SFTConfig) -> list[str]:
             p.append("model.fp8: needs a GPU with FP8 matrix units (H100 class); set scaling.use_gpu=true or model.fp8=false")
 
     p.extend(_quantization_problems(cfg))
+    p.extend(_sequence_parallel_problems(cfg))
 
     if d.task == "custom" and not d.train_path:
         p.append("data.train_path: required when data.task=custom (there is no generator); give a JSON/JSONL/Parquet file")
@@ -486,6 +495,32 @@ def _quantization_problems(cfg: SFTConfig) -> list[str]:
     if m.compile:
         p.append(f"model.compile: not with a {q} base (compiled layers are built for plain weights, not bitsandbytes' "
                  "quantized products); set model.compile=false or model.quantization=none")
+    return p
+
+
+def _sequence_parallel_problems(cfg: SFTConfig) -> list[str]:
+    """What Ulysses sequence parallelism (``scaling.sequence_parallel_size``) cannot be combined with.
+    The model's head counts are checked where its config is known (``zerolab.plan.check_against_model``)."""
+    sp, s = cfg.scaling.sequence_parallel_size, cfg.scaling
+    if sp < 1:
+        return [f"scaling.sequence_parallel_size: {sp} is not allowed; use a positive number (1: off)"]
+    if sp == 1:
+        return []
+    p = []
+    if s.num_workers % sp:
+        p.append(f"scaling.sequence_parallel_size: {sp} does not divide scaling.num_workers={s.num_workers} (each row is "
+                 f"split over a group of {sp} workers); set scaling.num_workers to a multiple of {sp}")
+    if cfg.model.attn_implementation == "eager":
+        p.append("model.attn_implementation: eager attention needs the 4D mask that sequence-parallel attention drops "
+                 "(it would be O(rows²) at full length); use sdpa, varlen or flash_attention_2")
+    if cfg.data.packing and (cfg.model.attn_implementation == "sdpa" or not s.use_gpu):
+        p.append("data.packing: with scaling.sequence_parallel_size > 1 attention runs without the mask that keeps packed "
+                 "samples apart, so it must read their boundaries itself: use model.attn_implementation varlen or "
+                 "flash_attention_2 on GPUs (scaling.use_gpu=true), or data.packing=false")
+    if cfg.adapter.method == "adalora":
+        p.append("adapter.method: adalora adds its orthogonality penalty to every rank's loss, and sequence parallelism "
+                 "sums the gradients of a row's slices over its group, so the penalty would count "
+                 f"{sp} times; use lora (or another adapter), or scaling.sequence_parallel_size=1")
     return p
 
 

@@ -91,15 +91,21 @@ def fill(raw: dict[str, Any], cfg: SFTConfig, hidden_size: int, *, source: str =
                 f"learning-rate schedule from train.*; remove the section"
             )
 
-    world = cfg.world_size()
+    # DeepSpeed's batch check counts data-parallel ranks: the workers over the sequence-parallel size.
+    world = cfg.data_parallel_size()
+    sp = cfg.scaling.sequence_parallel_size
     match(("train_micro_batch_size_per_gpu",), t.micro_batch_size, "train.micro_batch_size")
     match(("gradient_accumulation_steps",), t.grad_accum_steps, "train.grad_accum_steps")
     match(
         ("train_batch_size",),
         cfg.global_batch_size(),
         f"train.micro_batch_size × train.grad_accum_steps × scaling.num_workers = "
-        f"{t.micro_batch_size} × {t.grad_accum_steps} × {world}",
+        f"{t.micro_batch_size} × {t.grad_accum_steps} × {world}" if sp == 1 else
+        f"train.micro_batch_size × train.grad_accum_steps × scaling.num_workers / scaling.sequence_parallel_size = "
+        f"{t.micro_batch_size} × {t.grad_accum_steps} × {cfg.world_size()} / {sp}",
     )
+    if sp > 1 or out.get("sequence_parallel_size", 1) != 1:
+        match(("sequence_parallel_size",), sp, "scaling.sequence_parallel_size")
     match(("gradient_clipping",), float(t.max_grad_norm), "train.max_grad_norm")
     match(("bf16", "enabled"), precision == "bf16", f"train.precision ({precision})")
     match(("fp16", "enabled"), precision == "fp16", f"train.precision ({precision})")
@@ -146,7 +152,7 @@ def fill(raw: dict[str, Any], cfg: SFTConfig, hidden_size: int, *, source: str =
         problems.append(f"deepspeed.config: {source} leaves {key}='auto', which zerolab does not fill; give a value")
     total = out["train_micro_batch_size_per_gpu"] * out["gradient_accumulation_steps"] * world
     if not problems and out["train_batch_size"] != total:
-        problems.append(f"deepspeed.config: train_batch_size={out['train_batch_size']} must equal micro × grad_accum × world = {total}")
+        problems.append(f"deepspeed.config: train_batch_size={out['train_batch_size']} must equal micro × grad_accum × data-parallel world = {total}")
     if problems:
         raise ConfigError(problems)
     return out

@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from zerolab import adapters, kernels
 from zerolab.config import SFTConfig
-from zerolab.models import decoder_layers, load_model
+from zerolab.models import decoder_layers, load_model, load_model_config
+from zerolab.sequence_parallel import UlyssesAttention
 from zerolab.worker_log import log_rank0
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -46,14 +47,20 @@ class Zero3Loading:
 
 
 def build_model(cfg: SFTConfig, ds_config: dict, total_steps: int, *, zero3: Zero3Loading,
-                device: torch.device | None = None) -> torch.nn.Module:
+                ulysses: UlyssesAttention | None = None, device: torch.device | None = None) -> torch.nn.Module:
     """The model with its adapter. Under ZeRO 0-2 it goes to ``device`` (where
     ``deepspeed.initialize`` would move it) as it loads (``zerolab.models.load_model``), before peft
     wraps it: DoRA's set-up, which reads every wrapped weight to compute its norm, made the whole
     memory-mapped checkpoint resident on the host (7B: 14.4 GiB RSS per worker against LoRA's 6.2).
 
     Under ZeRO-3 it turns ``zero3`` on (the caller keeps it open while it trains, and closes it).
-    A quantized base (``model.quantization``) loads through bitsandbytes (``zerolab.quantization``)."""
+    A quantized base (``model.quantization``) loads through bitsandbytes (``zerolab.quantization``).
+
+    With ``scaling.sequence_parallel_size`` > 1 it turns ``ulysses`` on (the sequence-parallel
+    groups and attention, ``zerolab.sequence_parallel``) before the model loads; the caller closes it."""
+    if ulysses is not None and cfg.scaling.sequence_parallel_size > 1:
+        ulysses.enable(cfg.scaling.sequence_parallel_size, kernels.resolve_attention(cfg.model.attn_implementation),
+                       load_model_config(cfg.model), packing=cfg.data.packing, micro_batch_size=cfg.train.micro_batch_size)
     dtype = DTYPES[cfg.precision()]
     quantized = cfg.model.quantization != "none"
     if cfg.deepspeed.stage == 3 and not quantized:
@@ -87,8 +94,10 @@ def build_model(cfg: SFTConfig, ds_config: dict, total_steps: int, *, zero3: Zer
     return model
 
 
-def initialize_engine(model: torch.nn.Module, cfg: SFTConfig, ds_config: dict, total_steps: int) -> Any:
-    """``deepspeed.initialize`` with zerolab's optimizer and schedule.
+def initialize_engine(model: torch.nn.Module, cfg: SFTConfig, ds_config: dict, total_steps: int, *, mpu: Any = None) -> Any:
+    """``deepspeed.initialize`` with zerolab's optimizer and schedule; ``mpu``: the sequence-parallel
+    groups (``UlyssesAttention.mpu``), from which DeepSpeed reduces gradients over all ranks and
+    averages them over the data-parallel ones.
 
     Under ZeRO-0 in bf16/fp16, DeepSpeed wraps the optimizer in its FP16 optimizer, which runs one
     step with zero gradients when it is built to create the optimizer state. AdamW counts that
@@ -112,6 +121,7 @@ def initialize_engine(model: torch.nn.Module, cfg: SFTConfig, ds_config: dict, t
         optimizer=build_optimizer(model, cfg),
         lr_scheduler=lambda optimizer: _build_scheduler(optimizer, cfg, total_steps),
         config=ds_config,
+        mpu=mpu,
         dist_init_required=False,
     )
     if isinstance(engine.optimizer, (FP16_Optimizer, FP16_UnfusedOptimizer)):

@@ -222,15 +222,19 @@ def _fused_loss_forward(self: Any, input_ids: torch.Tensor | None = None, attent
     """The causal LM's forward with the loss from hidden states and the head's weight, fused
     (training with labels only; evaluation and generation take the model's own forward). Same
     value as transformers' ``ForCausalLMLoss``: labels shifted by one, -100 ignored, the sum
-    divided by ``num_items_in_batch`` when given, else the mean."""
+    divided by ``num_items_in_batch`` when given, else the mean; ``shift_labels`` (sequence
+    parallelism's slices, shifted before slicing) are taken as they are."""
     if labels is None or not self.training:
         return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                   labels=labels, num_items_in_batch=num_items_in_batch, **kwargs)
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
+    shift_labels = kwargs.pop("shift_labels", None)
     hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs).last_hidden_state
-    targets = F.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1).to(hidden.device)
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    targets = shift_labels.reshape(-1).to(hidden.device)
     reduction = "mean" if num_items_in_batch is None else "sum"
     # Under ZeRO-3 reading the partitioned head's weight here gathers it (DeepSpeed registers it as
     # an external parameter of the model); it then stays gathered into the next step, which the

@@ -189,7 +189,7 @@ def check_memory(cfg: SFTConfig, model_config: Any, *, force: bool = False, data
     calibration = memory.DEFAULT_CALIBRATION if ray.is_initialized() else memory.without_ray()
     try:
         limits = cluster_limits(cfg)
-        data = shard_lengths(datasets, cfg.world_size()) if datasets else None
+        data = shard_lengths(datasets, cfg.data_parallel_size()) if datasets else None
         try:
             est = memory.preflight(cfg, model_config, limits, calibration=calibration, data=data)
         except memory.MemoryPreflightError as exc:
@@ -229,7 +229,7 @@ def job_shard_lengths(cfg: SFTConfig) -> Any:
     if needs_ray_data(cfg):
         connect_ray(cfg)
     splits = prepare_data(cfg, resolve_model_path(cfg.model.name_or_path))
-    return shard_lengths(splits, cfg.world_size())
+    return shard_lengths(splits, cfg.data_parallel_size())
 
 
 
@@ -268,8 +268,9 @@ def check_against_model(cfg: SFTConfig, model_config: Any, deepspeed_file: Path)
     """Checks that need the model's architecture (``model_config``, see ``zerolab.models.load_model_config``);
     returns the resolved DeepSpeed config. Problems from both are reported together."""
     from zerolab.models import linear_module_names
+    from zerolab.sequence_parallel import head_problems
 
-    problems: list[str] = []
+    problems: list[str] = head_problems(cfg.scaling.sequence_parallel_size, model_config, cfg.model.name_or_path)
     linear = linear_module_names(cfg.model, model_config)
     if cfg.adapter.is_peft() and list(cfg.adapter.target_modules) != ["all-linear"]:
         missing = [m for m in cfg.adapter.target_modules if m not in linear]
@@ -307,12 +308,13 @@ def prepare_data(cfg: SFTConfig, model_path: str, shared: dict[str, PreparedSpli
             splits[split] = prepare_split(split, path, cfg, model_path)
             logger.info("data %s, in %.1f s", splits[split].report.summary(), time.monotonic() - started)
     train = splits["train"].report
-    if train.rows_used < cfg.world_size():
+    if train.rows_used < cfg.data_parallel_size():
         raise DataError(
-            f"data.train_path: {train.rows_used} usable rows cannot be split over scaling.num_workers="
-            f"{cfg.world_size()} workers; add data or use fewer workers"
+            f"data.train_path: {train.rows_used} usable rows cannot be split over "
+            f"{cfg.data_parallel_size()} data-parallel shards (scaling.num_workers / scaling.sequence_parallel_size); "
+            "add data or use fewer workers"
         )
-    need = cfg.train.micro_batch_size * cfg.world_size()
+    need = cfg.train.micro_batch_size * cfg.data_parallel_size()
     if train.rows_used < need and not cfg.data.packing:
         logger.warning("only %d training rows for a global micro-batch of %d", train.rows_used, need)
     return splits

@@ -346,7 +346,7 @@ def build_trainer(plan: JobPlan, uri: str | None, run_id: str | None, stop_flag:
                             scaling_config=ScalingConfig(num_workers=0, use_gpu=s.use_gpu),
                             run_config=RunConfig(name=cfg.run.name, storage_path=path, storage_filesystem=filesystem))
     resources = worker_resources(cfg)
-    shards, data_config = worker_datasets(plan.splits, s.num_workers)
+    shards, data_config = worker_datasets(plan.splits, s.num_workers, s.sequence_parallel_size)
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"plan": worker_plan},

@@ -10,8 +10,11 @@ how the process group forms.
 
 The loss of a step is the mean over every target token of the step, across gradient-accumulation
 micro-batches and ranks (not a mean of per-batch means, which over-weights short samples): each
-micro-batch's summed loss is divided by the step's global target-token count times ``1/world``,
-and DeepSpeed's average over ranks completes the mean.
+micro-batch's summed loss is divided by the step's global target-token count times ``1/dp``
+(``dp``: the data-parallel ranks, the workers over ``scaling.sequence_parallel_size``), and
+DeepSpeed's gradient sum over all ranks divided by ``dp`` completes the mean. With sequence
+parallelism (:mod:`zerolab.sequence_parallel`) the ranks of a group read the same micro-batches
+and each trains on its slice of every sequence.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from zerolab.ds_runtime import clear_stale_build_locks
 from zerolab.engine import Zero3Loading, build_model, initialize_engine
 from zerolab.models import load_tokenizer
 from zerolab.placement import InDriver, Place, RayWorker
+from zerolab.sequence_parallel import UlyssesAttention
 from zerolab.tracking import MetricsLogger, log_params, system_metrics
 from zerolab.worker_log import log_rank0, setup_worker_logging
 from zerolab.worker_plan import TrackingTarget, WorkerPlan
@@ -49,11 +53,12 @@ def train_loop_per_worker(config: dict) -> None:
     plan: WorkerPlan = config["plan"]
     place: Place = plan.in_driver or RayWorker()
     backend = "nccl" if plan.sft.scaling.use_gpu else "gloo"
-    zero3 = Zero3Loading()
+    zero3, ulysses = Zero3Loading(), UlyssesAttention()
     try:
         with place.process_group(backend):
-            _train(plan, place, zero3, started)
+            _train(plan, place, zero3, ulysses, started)
     finally:
+        ulysses.close()
         zero3.close()
 
 
@@ -67,6 +72,8 @@ class _Setup:
     """Ray Train's training context (or :class:`~zerolab.placement.OneRank`)."""
     rank: int
     world: int
+    ulysses: UlyssesAttention
+    """The sequence-parallel attention: each micro-batch's slice for this rank."""
     device: torch.device
     tokenizer: Any
     engine: Any
@@ -79,7 +86,7 @@ class _Setup:
     """The world's, 0 where the device's is unknown."""
 
 
-def _train(plan: WorkerPlan, place: Place, zero3: Zero3Loading, started: float) -> None:
+def _train(plan: WorkerPlan, place: Place, zero3: Zero3Loading, ulysses: UlyssesAttention, started: float) -> None:
     import ray
 
     cfg, ds_config = plan.sft, plan.deepspeed
@@ -100,20 +107,22 @@ def _train(plan: WorkerPlan, place: Place, zero3: Zero3Loading, started: float) 
         packing=cfg.data.packing,
         pad_id=0,  # set once the tokenizer is loaded
         seed=cfg.train.seed,
+        width_multiple=cfg.scaling.sequence_parallel_size,
     )
     total_steps = _total_steps(cfg, batches.batches_per_epoch(), device)
     data_ready = time.perf_counter()
 
     tokenizer = load_tokenizer(cfg.model)
     batches.pad_id = tokenizer.pad_token_id
-    model = build_model(cfg, ds_config, total_steps, zero3=zero3, device=device)
+    model = build_model(cfg, ds_config, total_steps, zero3=zero3, ulysses=ulysses, device=device)
     model_ready = time.perf_counter()
     trainable, total = adapters.parameter_counts(model)
-    log_rank0("model %s: %s trainable of %s parameters (%.3f%%), method %s, ZeRO-%d%s, world %d",
+    log_rank0("model %s: %s trainable of %s parameters (%.3f%%), method %s, ZeRO-%d%s, world %d%s",
               cfg.model.name_or_path, f"{trainable:,}", f"{total:,}", 100 * trainable / total, cfg.adapter.method,
-              cfg.deepspeed.stage, _offload_label(cfg), world)
+              cfg.deepspeed.stage, _offload_label(cfg), world,
+              f" (sequence parallel {ulysses.sp} × data parallel {world // ulysses.sp})" if ulysses.sp > 1 else "")
 
-    engine = initialize_engine(model, cfg, ds_config, total_steps)
+    engine = initialize_engine(model, cfg, ds_config, total_steps, mpu=ulysses.mpu)
     if cfg.adapter.method == "adalora":
         # AdaLoRA reads the gradients after the optimizer step and before they are zeroed.
         engine.optimizer.register_step_post_hook(lambda *_: engine.module.base_model.update_and_allocate(engine.global_steps))
@@ -122,8 +131,9 @@ def _train(plan: WorkerPlan, place: Place, zero3: Zero3Loading, started: float) 
     now = time.perf_counter()
     log_rank0("worker ready in %.1f s: process group and data shard %.1f s, model %.1f s, DeepSpeed engine%s %.1f s",
               now - started, data_ready - started, model_ready - data_ready, " and checkpoint" if start_step else "", now - model_ready)
-    stream = _FirstStepClock(batches.iterate(start=start_step * cfg.train.grad_accum_steps), cfg.train.grad_accum_steps, device)
-    setup = _Setup(plan=plan, place=place, ctx=ctx, rank=rank, world=world, device=device, tokenizer=tokenizer, engine=engine,
+    stream = _FirstStepClock(map(ulysses.shard, batches.iterate(start=start_step * cfg.train.grad_accum_steps)),
+                             cfg.train.grad_accum_steps, device)
+    setup = _Setup(plan=plan, place=place, ctx=ctx, rank=rank, world=world, ulysses=ulysses, device=device, tokenizer=tokenizer, engine=engine,
                    total_steps=total_steps, trainable=trainable, total=total,
                    flops_per_token=perf.train_flops_per_token(total, trainable, cfg.adapter.method == "full"),
                    peak_flops=perf.peak_flops(device) * world)
@@ -136,7 +146,9 @@ def _loop(s: _Setup, stream: _FirstStepClock, start_step: int) -> None:
     cadence = Cadence(total_steps=s.total_steps, log_every=cfg.train.log_every_n_steps,
                       checkpoint_every=cfg.train.checkpoint_every_n_steps, report_every_log=s.plan.report_every_log,
                       deadline_unix=s.plan.deadline_unix)
-    window = MetricWindow(s.device, s.world)
+    # Each rank's loss is its share of the step's token mean times dp (optimizer_step), so the
+    # ranks' losses sum to dp times the mean.
+    window = MetricWindow(s.device, s.world // s.ulysses.sp)
     run_start = window.start
     tracker: MetricsLogger | _NoTracker = _NoTracker()
     metrics: dict[str, float] = {}
@@ -203,7 +215,7 @@ def _checkpoint(s: _Setup, report: dict[str, Any], done: int, eval_rows: list[tu
                 tracker: MetricsLogger | _NoTracker) -> None:
     """Evaluate (where there is an eval split), then save and report the checkpoint of step ``done``."""
     if eval_rows is not None:
-        report["eval/loss"] = evaluate_loss(s.engine, s.plan.sft, s.device, eval_rows)
+        report["eval/loss"] = evaluate_loss(s.engine, s.plan.sft, s.device, eval_rows, s.ulysses)
         log_rank0("step %d eval/loss %.4f", done, report["eval/loss"])
         tracker.log({"eval/loss": report["eval/loss"]}, step=done)
     with snapshot.saved(s.engine, s.plan.sft, s.tokenizer, done) as folder:
@@ -280,13 +292,15 @@ def optimizer_step(engine: Any, micro: list[Batch], device: torch.device, want_g
     their own, ``engine.get_global_grad_norm()``).
 
     Each micro-batch's summed token loss is divided by the step's global target count over the
-    world size (``num_items_in_batch``), so the gradients accumulate to the token mean of the
-    whole step once DeepSpeed averages them over ranks; DeepSpeed must not divide again by the
-    accumulation steps (``scale_wrt_gas=False``).
+    data-parallel world size (``num_items_in_batch``), so the gradients accumulate to the token mean
+    of the whole step once DeepSpeed sums them over all ranks and divides by the data-parallel ones
+    (with sequence parallelism the ranks of a group hold slices of the same rows, and the sum adds
+    up the slices' gradients); DeepSpeed must not divide again by the accumulation steps
+    (``scale_wrt_gas=False``).
     """
     n_targets = torch.tensor(float(sum(b.num_targets for b in micro)), device=device)
     dist.all_reduce(n_targets)
-    world = dist.get_world_size()
+    world = dist.get_world_size() // getattr(engine, "sequence_parallel_size", 1)
     total = torch.zeros((), dtype=torch.float64, device=device)
     grad_norm = None
     for b in micro:
@@ -305,16 +319,19 @@ def optimizer_step(engine: Any, micro: list[Batch], device: torch.device, want_g
     return total, grad_norm
 
 
-def evaluate_loss(engine: Any, cfg: SFTConfig, device: torch.device, rows: list[tuple[np.ndarray, np.ndarray]]) -> float:
-    """Token-weighted mean loss over this rank's ``rows`` of the eval split, all ranks together.
-    Every rank runs the same number of forward passes (ZeRO-3 gathers parameters collectively); a
-    rank with fewer batches repeats one with zero weight."""
+def evaluate_loss(engine: Any, cfg: SFTConfig, device: torch.device, rows: list[tuple[np.ndarray, np.ndarray]],
+                  ulysses: UlyssesAttention | None = None) -> float:
+    """Token-weighted mean loss over this rank's ``rows`` of the eval split, all ranks together
+    (with sequence parallelism, each rank's slice of its group's rows). Every rank runs the same
+    number of forward passes (ZeRO-3 gathers parameters collectively, sequence-parallel attention
+    exchanges slices); a rank with fewer batches repeats one with zero weight."""
+    sp = ulysses.sp if ulysses is not None else 1
     evals = MicroBatches(rows, micro_batch_size=cfg.train.micro_batch_size,
-                         max_seq_length=cfg.data.max_seq_length, packing=False, pad_id=0, seed=0)
-    batches = evals.sequential()
+                         max_seq_length=cfg.data.max_seq_length, packing=False, pad_id=0, seed=0, width_multiple=sp)
+    batches = [ulysses.shard(b) for b in evals.sequential()] if ulysses is not None else evals.sequential()
     n = torch.tensor(len(batches), device=device)
     dist.all_reduce(n, op=dist.ReduceOp.MAX)
-    filler = batches[0] if batches else _filler_batch()
+    filler = batches[0] if batches else _filler_batch(ulysses)
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     engine.eval()
     with torch.no_grad():
@@ -329,9 +346,12 @@ def evaluate_loss(engine: Any, cfg: SFTConfig, device: torch.device, rows: list[
     return (totals[0] / totals[1].clamp(min=1)).item()
 
 
-def _filler_batch() -> Batch:
+def _filler_batch(ulysses: UlyssesAttention | None) -> Batch:
     ids = np.array([0, 0], dtype=np.int64)
-    return MicroBatches([(ids, np.array([-100, 0]))], micro_batch_size=1, max_seq_length=2, packing=False, pad_id=0, seed=0).sequential()[0]
+    sp = ulysses.sp if ulysses is not None else 1
+    batch = MicroBatches([(ids, np.array([-100, 0]))], micro_batch_size=1, max_seq_length=2, packing=False, pad_id=0, seed=0,
+                         width_multiple=sp).sequential()[0]
+    return ulysses.shard(batch) if ulysses is not None else batch
 
 
 class _FirstStepClock:

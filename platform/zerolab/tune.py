@@ -286,7 +286,7 @@ def _announce_skips(base: SFTConfig, sweep: Sweep, points: list[dict[str, Any]],
             if model not in model_configs:
                 model_configs[model] = load_model_config(cfg.model)
             splits = data.for_trial(cfg)
-            memory.preflight(cfg, model_configs[model], limits, data=shard_lengths(splits, cfg.world_size()) if splits else None)
+            memory.preflight(cfg, model_configs[model], limits, data=shard_lengths(splits, cfg.data_parallel_size()) if splits else None)
         except memory.MemoryPreflightError as exc:
             label = ", ".join(f"{k}={v}" for k, v in point.items())
             logger.warning("will skip {%s}: %s", label, str(exc).splitlines()[0])

@@ -26,8 +26,10 @@ def shard_rows(num_rows: int, world_size: int, *, equal: bool) -> list[np.ndarra
     return [np.arange(rank, end, world_size, dtype=np.int64) for rank in range(world_size)]
 
 
-def worker_datasets(prepared: dict[str, PreparedSplit], world_size: int) -> tuple[dict[str, Any], Any]:
-    """(Ray datasets, Ray Train DataConfig) that give rank r the rows ``shard_rows`` assigns it.
+def worker_datasets(prepared: dict[str, PreparedSplit], world_size: int, sequence_parallel_size: int = 1) -> tuple[dict[str, Any], Any]:
+    """(Ray datasets, Ray Train DataConfig) that give rank r the rows ``shard_rows`` assigns it, or
+    with sequence parallelism shard ``r // sequence_parallel_size`` of ``world_size /
+    sequence_parallel_size`` (the ranks of a sequence-parallel group split the same rows' tokens).
 
     The driver puts each rank's rows into Ray's object store (one block per rank); a worker reads
     its block through Ray, from whichever node holds it, never from a file: the data files and the
@@ -39,14 +41,15 @@ def worker_datasets(prepared: dict[str, PreparedSplit], world_size: int) -> tupl
     import ray.data
     from ray.train import DataConfig
 
-    refs = {name: [ray.put(split.to_arrow(indices)) for indices in shard_rows(split.num_rows, world_size, equal=(name == "train"))]
+    sp = sequence_parallel_size
+    refs = {name: [ray.put(split.to_arrow(indices)) for indices in shard_rows(split.num_rows, world_size // sp, equal=(name == "train"))]
             for name, split in prepared.items()}
     datasets = {name: ray.data.from_arrow_refs(blocks) for name, blocks in refs.items()}
     shards = {name: [ray.data.from_arrow_refs([block]) for block in blocks] for name, blocks in refs.items()}
 
     class ShardedDataConfig(DataConfig):
         def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):  # type: ignore[override]
-            return [{name: shards[name][rank].iterator() for name in datasets} for rank in range(world_size)]
+            return [{name: shards[name][rank // sp].iterator() for name in datasets} for rank in range(world_size)]
 
     return datasets, ShardedDataConfig(datasets_to_split=[])
 
