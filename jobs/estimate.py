@@ -4,6 +4,7 @@
     python jobs/estimate.py --config jobs/configs/math_qwen2.5_7b_lora.yaml --gpus 1 --gpu-mem 24GiB --host-mem 64GiB
     python jobs/estimate.py --config jobs/configs/math_qwen2.5_7b_lora.yaml --stages 0,3 --offload none,all --set adapter.r=16
     python jobs/estimate.py --config jobs/configs/math_qwen2.5_7b_lora.yaml --data
+    python jobs/estimate.py --config jobs/configs/math_qwen2.5_7b_lora.yaml --gpus 1 --gpu-mem 80GiB --longest-row
 
 Reads the model's config only (no weights; a hub id needs the config in the local cache or the
 network) and starts nothing. Without --gpus/--gpu-mem/--host-mem it checks against this machine.
@@ -14,7 +15,9 @@ the preflight of `jobs/sft.py` does, showing the worst case by config next to it
 data.max_seq_length: auto takes its length from the data, so the data is tokenized for it in any
 case (the worst case by config is then micro_batch_size × the resolved length). With the
 recommended option it also names the largest micro-batch that fits (most tokens per forward pass:
-what ZeRO-3 needs most, its gathers cost per micro-batch, not per token).
+what ZeRO-3 needs most, its gathers cost per micro-batch, not per token), and the longest row that
+fits (data.max_seq_length at micro-batch 1, packed); --longest-row adds the settings that make a
+longer one fit and how long each allows.
 Exit codes: 0 a config fits (the job's own option or another one), 1 nothing fits, 2 bad
 configuration or model.
 """
@@ -40,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", help="comma-separated ZeRO stages to show (default: all)")
     parser.add_argument("--offload", help="comma-separated offload modes to show: none, optimizer, all (default: all)")
     parser.add_argument("--data", action="store_true", help="estimate on the job's data (tokenizes it here) instead of the worst case by config")
+    parser.add_argument("--longest-row", action="store_true", help="also name the settings that make a longer row fit, with how long each allows")
     args = parser.parse_args(argv)
 
     from zerolab.cli import USER_ERROR
@@ -48,12 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     from zerolab.memory import (
         MemoryEstimateError,
         Option,
+        format_longest_row,
         format_table,
         largest_micro_batch,
+        longer_row_settings,
+        longest_row,
         plan_options,
         recommend,
         worst_case_by_config,
     )
+    from zerolab.memory.shapes import max_position_embeddings
     from zerolab.models import ModelLoadError, load_model_config
 
     try:
@@ -105,6 +113,15 @@ def main(argv: list[str] | None = None) -> int:
         by_config = worst_case_by_config(cfg, model_config, own_row.estimate, limits) if own_row.estimate else None
         if by_config:
             print(f"  {by_config}")
+    option = rec.option if rec is not None else own
+    row_cfg = load_config(args.config, [*args.set, *(rec.overrides if rec is not None else ())])
+    if not (limits.gpu_mem_bytes if cfg.scaling.use_gpu else limits.host_mem_bytes):
+        print("longest row: not searched (the memory it must fit is unknown: give --gpu-mem, or --host-mem for CPU workers)")
+    else:
+        tokens = longest_row(row_cfg, model_config, limits, option, multiple=ROW_MULTIPLE)
+        longer = longer_row_settings(row_cfg, model_config, limits, option, multiple=ROW_MULTIPLE) if args.longest_row else None
+        print(format_longest_row(tokens, option, multiple=ROW_MULTIPLE, max_positions=max_position_embeddings(model_config),
+                                 longer=longer))
     if rec is None:
         print("recommendation: nothing fits, not even micro-batch 1 with gradient checkpointing; use more or larger GPUs, "
               "shorten data.max_seq_length, or train an adapter instead of the full model")
@@ -120,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"most tokens per micro-batch with {rec.option.label}: --set train.micro_batch_size={batch} "
               f"(the largest that fits outside the estimate's 10% margin; the global batch grows with it)")
     return 0
+
+
+ROW_MULTIPLE = 1024
+"""The longest row is searched in multiples of this many tokens."""
 
 
 def _limits(args: argparse.Namespace):  # -> zerolab.memory.Limits

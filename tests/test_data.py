@@ -460,3 +460,19 @@ def test_a_job_trains_when_its_data_files_exist_on_the_driver_only(ray_cluster, 
     result = run.run_sft(cfg)
     assert not folder.exists() and result.metrics["step"] == 4 and "eval/loss" in result.metrics
     assert result.data["train"]["rows_used"] == 96 and result.data["train"]["from_cache"] is False
+
+
+def test_long_context_rows_come_through_the_pipeline_and_over_long_ones_are_reported(tokenized_cache, tiny_model_path):
+    """The long_context task writes rows for the job's data.max_seq_length (part of the file's name).
+    The built-in tokenizer, trained on Chinese and digits, spends about four tokens per English
+    word, so rows written for 4,096 tokens are 5k-16k long: prepared at 12,288, some fit and the
+    others are counted as too long, as any data's would be."""
+    cfg = load_config(None, ["data.task=long_context", "data.num_train_rows=12", "data.num_eval_rows=0", "data.max_seq_length=4096",
+                             "data.max_bad_fraction=0.9", f"model.name_or_path={tiny_model_path}"])
+    paths = data.dataset_paths(cfg)
+    assert list(paths) == ["train"] and paths["train"].endswith("long_context-train-12-seed0-len4096.json")
+    split = prepare_split("train", paths["train"], cfg.with_values({"data.max_seq_length": 12288}), tiny_model_path)
+    report = split.report
+    assert report.rows_used + report.rows_bad == 12
+    assert report.rows_used > 0 and report.rows_bad > 0 and report.bad_by_reason == {"too long": report.rows_bad}
+    assert 4096 < report.max_tokens <= 12288

@@ -992,3 +992,76 @@ def test_a_process_that_trains_again_reports_the_new_runs_host_peak():
     before = perf.host_rss_peak_bytes()
     perf.reset_memory_peaks(torch.device("cpu"))
     assert perf.host_rss_peak_bytes() < before - 200 * 2**20
+
+
+# --- long rows -------------------------------------------------------------------------------------
+
+
+LONG_7B = ["adapter.method=lora", "adapter.r=16", "scaling.use_gpu=true", "scaling.num_workers=1", "train.precision=bf16",
+           "deepspeed.stage=2", "model.gradient_checkpointing=true", "model.attn_implementation=varlen", "model.kernels=liger"]
+
+
+def test_long_rows_cost_the_same_per_token_with_varlen_and_add_s_squared_with_sdpa():
+    """Per-token terms do not change with the row's length (nothing capped or fitted at 4K); SDPA
+    adds its S×S mask and scores on top, and the estimate says so."""
+    def est(length: int, *extra: str) -> memory.Estimate:
+        return memory.estimate(memory.long_row_config(load_config(None, [*LONG_7B, *extra]), length), QWEN25_7B)
+
+    short, long = est(32768), est(262144)
+    assert long.device["activations"] == pytest.approx(8 * short.device["activations"], rel=1e-6)
+    assert long.device["activations"] > 28 * 2 * 3584 * 262144  # every layer's checkpointed input
+    assert not long.notes
+    sdpa_short, sdpa_long = est(32768, "model.attn_implementation=sdpa"), est(262144, "model.attn_implementation=sdpa")
+    # The mask (S bytes per token) and the recomputed layer's converted mask (e·S per token), 3·S² bytes
+    # per row, and K/V repeated to every query head for SDPA with a mask, 2·e·(q_dim - kv_dim) per token.
+    for s_len, plain, sdpa in ((32768, short, sdpa_short), (262144, long, sdpa_long)):
+        assert sdpa.device["activations"] - plain.device["activations"] == 3 * s_len**2 + s_len * 2 * 2 * (3584 - 512)
+    assert any("grows with the square of the row" in n and "varlen" in n for n in sdpa_long.notes)
+    # Without Liger's fused loss the B·S×V logits are held: (e + 12)·V bytes per token.
+    plain = est(32768, "model.kernels=none")
+    assert plain.device["logits and loss"] == 14 * 152064 * 32768
+
+
+def test_longest_row_of_the_7b_shape_on_an_80gib_gpu():
+    """7B LoRA r16, checkpointing, varlen, Liger, ZeRO-2 on one 80 GiB GPU: the longest row is
+    about 125K tokens (multiple of 1,024, outside the 10% margin) and falls with the GPU."""
+    cfg = load_config(None, LONG_7B)
+    h100 = Limits(gpu_mem_bytes=80 * GIB, gpus_per_node=1)
+    tokens = memory.longest_row(cfg, QWEN25_7B, h100, Option(2))
+    assert tokens is not None and tokens % 1024 == 0
+    assert tokens == pytest.approx(124_928, rel=0.05)
+
+    def fit(length: int) -> Fit:
+        return memory.estimate(Option(2).apply(memory.long_row_config(cfg, length)), QWEN25_7B).fits(h100)
+
+    assert fit(tokens).fits and not fit(tokens).tight and fit(tokens + 1024).tight
+    smaller = memory.longest_row(cfg, QWEN25_7B, Limits(gpu_mem_bytes=40 * GIB, gpus_per_node=1), Option(2))
+    assert smaller is not None and smaller < tokens / 2
+    assert memory.longest_row(cfg, QWEN25_7B, Limits(gpu_mem_bytes=16 * GIB, gpus_per_node=1), Option(2)) is None
+    assert memory.longest_row(cfg, QWEN25_7B, Limits(gpu_mem_bytes=8000 * GIB, gpus_per_node=1), Option(2), limit=1 << 20) == 1 << 20
+
+
+def test_longer_row_settings_name_what_shortens_a_rows_cost():
+    cfg = load_config(None, [*LONG_7B, "model.gradient_checkpointing=false", "model.kernels=none", "model.attn_implementation=sdpa"])
+    h100 = Limits(gpu_mem_bytes=80 * GIB, gpus_per_node=1)
+    base = memory.longest_row(cfg, QWEN25_7B, h100, Option(2))
+    longer = {r.what: r for r in memory.longer_row_settings(cfg, QWEN25_7B, h100, Option(2))}
+    assert list(longer) == ["gradient checkpointing", "Liger's fused loss and kernels", "varlen attention", "a 4-bit base",
+                            "ZeRO-3 + offload (the weights leave the GPU between uses)", "all of these"]
+    assert longer["gradient checkpointing"].overrides == ("model.gradient_checkpointing=true",)
+    assert all(r.tokens is not None and r.tokens >= base for r in longer.values())
+    best = longer["all of these"]
+    assert best.option == Option(3, "all") and best.tokens > max(r.tokens for w, r in longer.items() if w != "all of these")
+    text = memory.format_longest_row(base, Option(2), multiple=1024, max_positions=32768, longer=list(longer.values()))
+    assert "--set model.quantization=nf4" in text and "sequence parallelism" in text
+
+
+def test_cli_reports_the_longest_row_and_what_makes_it_longer(tmp_path, tiny_model_path):
+    proc = run_estimate("--gpus", "1", "--gpu-mem", "80GiB", "--host-mem", "512GiB", "--longest-row",
+                        "--set", f"model.name_or_path={local_7b(tmp_path, tiny_model_path)}", *(f"--set={o}" for o in LONG_7B),
+                        "--set", "data.max_seq_length=4096")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "longest row with ZeRO-2: 124,928 tokens at micro-batch 1, packed (--set data.max_seq_length=124928;" in out
+    assert "past the model's max_position_embeddings (32,768)" in out
+    assert "with a 4-bit base:" in out and "with all of these:" in out and "sequence parallelism" in out

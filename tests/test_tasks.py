@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from zerolab.tasks import TASKS, generate_dataset, math_sum, ner_json
+from zerolab.tasks import TASKS, generate_dataset, long_context, math_sum, ner_json
 
 P = math_sum.PREFIX
 
@@ -65,3 +65,38 @@ def test_generated_files_use_the_seeds_formats(tmp_path):
     lines = ner_file.read_text(encoding="utf-8").splitlines()
     assert len(lines) == 5 and all(json.loads(line)["text"] for line in lines)
     assert TASKS["custom"].generate is None
+
+
+@pytest.mark.parametrize("max_tokens", [32768, 262144])
+def test_long_context_rows_fill_the_row_budget_with_the_needle_deep_inside(max_tokens):
+    rows = long_context.generate(3, seed=5, max_tokens=max_tokens)
+    assert rows == long_context.generate(3, seed=5, max_tokens=max_tokens)
+    assert rows != long_context.generate(3, seed=6, max_tokens=max_tokens)
+    budget = max_tokens - long_context.RESERVED_TOKENS
+    for row in rows:
+        assert set(row) == {"instruction", "input", "output"}
+        units = len(row["input"].split()) + row["input"].count(".")  # words and full stops: ~tokens with Qwen2.5's tokenizer
+        assert budget // 2 - 20 <= units <= budget
+        name = row["instruction"].removeprefix("What is the access code of ").removesuffix("?")
+        assert row["input"].count(long_context.fact(name, row["output"])) == 1  # the answer is in the document, once
+        assert row["input"].count("The access code of ") == long_context.NUM_DISTRACTORS + 1  # beside facts about others
+        assert 0.05 <= long_context.needle_depth(row) <= 0.95
+        assert long_context.score(row["instruction"], row["output"], row["output"]) == {"answered": 1.0, "correct": 1.0}
+
+
+def test_long_context_scorer():
+    assert long_context.score("", "48213", "The code is 48213.") == {"answered": 1.0, "correct": 1.0}
+    assert long_context.score("", "48213", "48231") == {"answered": 1.0, "correct": 0.0}
+    assert long_context.score("", "48213", "I could not find it") == {"answered": 0.0, "correct": 0.0}
+    assert long_context.score("", "48213", "12345 or 48213") == {"answered": 1.0, "correct": 0.0}  # the first number counts
+    with pytest.raises(ValueError, match="no room"):
+        long_context.generate(1, 0, max_tokens=200)
+
+
+def test_long_context_is_registered_and_sized_by_the_row_length(tmp_path):
+    task = TASKS["long_context"]
+    assert task.sized and task.file_format == "json" and task.score is long_context.score
+    path = generate_dataset("long_context", 2, 0, tmp_path / "l.json", max_tokens=4096)
+    rows = json.loads(path.read_text())
+    assert rows == long_context.generate(2, 0, max_tokens=4096)
+    assert generate_dataset("math_sum", 2, 0, tmp_path / "m.json", max_tokens=4096).is_file()  # unsized tasks ignore it

@@ -29,7 +29,7 @@ BUILTIN_TINY_MODEL = "builtin:tiny-qwen2"
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 AdapterMethod = Literal["full", "lora", "dora", "rslora", "adalora"]
-TaskName = Literal["math_sum", "ner_json", "custom"]
+TaskName = Literal["math_sum", "ner_json", "long_context", "custom"]
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 Quantization = Literal["none", "nf4", "fp4", "int8"]
 

@@ -54,16 +54,21 @@ def dataset_paths(cfg: SFTConfig) -> dict[str, str]:
     task = get_task(d.task)
     paths: dict[str, str] = {}
     suffix = task.file_format
+    # A sized task (long_context) fills the job's row length: it is part of the file's name.
+    max_tokens = (d.max_seq_length if d.max_seq_length != "auto" else None) if task.sized else None
+    length = f"-len{max_tokens or 'default'}" if task.sized else ""
     if d.train_path:
         paths["train"] = d.train_path
     else:
-        target = cache_dir() / "data" / f"{d.task}-train-{d.num_train_rows}-seed{d.seed}.{suffix}"
-        paths["train"] = str(target if target.is_file() else generate_dataset(d.task, d.num_train_rows, d.seed, target))
+        target = cache_dir() / "data" / f"{d.task}-train-{d.num_train_rows}-seed{d.seed}{length}.{suffix}"
+        paths["train"] = str(target if target.is_file() else generate_dataset(d.task, d.num_train_rows, d.seed, target,
+                                                                              max_tokens=max_tokens))
     if d.eval_path:
         paths["eval"] = d.eval_path
     elif not d.train_path and d.num_eval_rows:
-        target = cache_dir() / "data" / f"{d.task}-eval-{d.num_eval_rows}-seed{d.seed + 1}.{suffix}"
-        paths["eval"] = str(target if target.is_file() else generate_dataset(d.task, d.num_eval_rows, d.seed + 1, target))
+        target = cache_dir() / "data" / f"{d.task}-eval-{d.num_eval_rows}-seed{d.seed + 1}{length}.{suffix}"
+        paths["eval"] = str(target if target.is_file() else generate_dataset(d.task, d.num_eval_rows, d.seed + 1, target,
+                                                                             max_tokens=max_tokens))
     return paths
 
 

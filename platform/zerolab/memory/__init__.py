@@ -38,7 +38,7 @@ Modules, lowest first (each imports only modules named before it): ``units``, ``
 ``calibration`` (the measured constants); ``shapes`` (the model's parameters by module); ``batch``
 (the data's largest micro-batch); ``limits`` (the machine); ``options`` (options, estimates,
 verdicts); ``context``, then ``terms``, ``activations`` and ``host`` (the formulas) and
-``estimator`` (which composes them); ``planner``; ``preflight``; ``report`` (formatting).
+``estimator`` (which composes them); ``planner`` (options, micro-batch, longest row); ``preflight``; ``report`` (formatting).
 """
 
 from zerolab.memory.batch import BatchShape, MicroBatch, ShardLengths, worst_micro_batch
@@ -54,17 +54,27 @@ from zerolab.memory.errors import MemoryEstimateError
 from zerolab.memory.estimator import estimate
 from zerolab.memory.limits import Limits, parse_size
 from zerolab.memory.options import ALL_OPTIONS, RELATIVE_STEP_TIME, Estimate, Fit, PlanRow, Recommendation
-from zerolab.memory.planner import largest_micro_batch, plan_options, recommend, worst_case_by_config
+from zerolab.memory.planner import (
+    LONGEST_ROW_LIMIT,
+    LongerRow,
+    largest_micro_batch,
+    long_row_config,
+    longer_row_settings,
+    longest_row,
+    plan_options,
+    recommend,
+    worst_case_by_config,
+)
 from zerolab.memory.preflight import MemoryPreflightError, preflight
-from zerolab.memory.report import format_table
+from zerolab.memory.report import format_longest_row, format_table
 from zerolab.memory.shapes import PROJECTIONS, ModelShape, ParamSpec, parameter_inventory, target_projections, trainable_params
 from zerolab.memory.units import GIB, KIB, MIB
 from zerolab.zero import OffloadMode, Option
 
 __all__ = [
-    "ALL_OPTIONS", "BatchShape", "Calibration", "DEFAULT_CALIBRATION", "DEFAULT_IMPORTS_CPU_BYTES", "Estimate", "Fit", "GIB", "KIB",
+    "ALL_OPTIONS", "BatchShape", "LONGEST_ROW_LIMIT", "LongerRow", "long_row_config", "longer_row_settings", "longest_row", "Calibration", "DEFAULT_CALIBRATION", "DEFAULT_IMPORTS_CPU_BYTES", "Estimate", "Fit", "GIB", "KIB",
     "Limits", "MIB", "MemoryEstimateError", "MemoryPreflightError", "MicroBatch", "ModelShape", "OffloadMode", "Option", "PROJECTIONS",
-    "ParamSpec", "PlanRow", "RELATIVE_STEP_TIME", "Recommendation", "ShardLengths", "WORKER_IMPORTS", "estimate", "format_table",
+    "ParamSpec", "PlanRow", "RELATIVE_STEP_TIME", "Recommendation", "ShardLengths", "WORKER_IMPORTS", "estimate", "format_longest_row", "format_table",
     "largest_micro_batch", "parameter_inventory", "parse_size", "plan_options", "preflight", "recommend", "target_projections",
     "trainable_params", "without_ray", "worker_imports_rss", "worst_case_by_config", "worst_micro_batch",
 ]

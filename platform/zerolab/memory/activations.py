@@ -78,19 +78,67 @@ def activation_bytes_per_layer(job: EstimateContext) -> int:
 def activations(job: EstimateContext) -> int:
     """Activations saved for the backward pass of one micro-batch of B·S tokens. Without
     checkpointing: L × the per-layer bytes (less what the first layer of an adapter run skips).
-    With checkpointing (non-reentrant, per decoder
-    layer) each layer keeps only its input, L·e·h. Both add the final norm (as a layer's norm,
-    when the head or the norm trains), RoPE cos/sin (2·e·head_dim), the attention mask (S bytes)
-    and the ids and labels (16 bytes)."""
+    With checkpointing (non-reentrant, per decoder layer) each layer keeps only its input
+    (:func:`checkpointed_inputs`). Both add the final norm (as a layer's norm, when the head or
+    the norm trains), RoPE cos/sin (2·e·head_dim), the ids and labels (16 bytes), with packing
+    the position ids (8 bytes), and for SDPA and eager attention the boolean B×1×S×S mask that
+    transformers builds from the padding or, packed, from the position ids (S bytes per token;
+    flash_attention_2 and varlen get no such mask).
+
+    Every term is linear in the tokens B·S except the mask and the attention terms of
+    :func:`activation_bytes_per_layer` under SDPA and eager (:func:`attention_quadratic`): no
+    length is capped and no constant was fitted per token, so the same formulas hold for
+    32K-256K-token rows (measured only up to 4K so far: docs/memory.md)."""
     s, e = job.shape, job.e
     head_trains = not job.peft or "lm_head" in target_projections(job.cfg.adapter)[0]
-    other = _norm_bytes(job, trains=head_trains) + 2 * e * s.head_dim
-    other += job.seq_len + 16
+    other = _norm_bytes(job, trains=head_trains) + 2 * e * s.head_dim + 16
+    other += 8 if job.cfg.data.packing else 0
+    other += job.seq_len if _builds_mask(job) else 0
     if job.cfg.model.gradient_checkpointing:
-        layers = s.num_layers * e * s.hidden_size
-    else:
-        layers = s.num_layers * activation_bytes_per_layer(job) - _first_layer_saving(job)
+        return checkpointed_inputs(job) + job.tokens * other
+    layers = s.num_layers * activation_bytes_per_layer(job) - _first_layer_saving(job)
     return job.tokens * (layers + other)
+
+
+def checkpointed_inputs(job: EstimateContext) -> int:
+    """With gradient checkpointing, what the decoder layers keep between the forward and the
+    backward pass: each layer's input, L·B·S·e·h, on the GPU (0 without checkpointing). At long
+    rows this is the largest activation term (7B: 196 KiB per token, 49 GiB at 256K tokens); it
+    is what offloading the checkpoints to host memory (ALST) would move off the GPU."""
+    if not job.cfg.model.gradient_checkpointing:
+        return 0
+    return job.tokens * job.shape.num_layers * job.e * job.shape.hidden_size
+
+
+def backward_gradients(job: EstimateContext) -> int:
+    """Gradients in flight while a decoder layer's backward pass runs, on top of what it saved:
+    the gradient of the residual stream reaching it (e·h per token) and the MLP's, the largest:
+    the gradient of down_proj's input (e·I) and, from Hugging Face's SiLU × up, the gradients
+    of the gate and up outputs (2·e·I more; Liger's SwiGLU writes them in place of its saved
+    inputs). Derived from what autograd allocates, not yet measured: negligible beside the loss
+    region at short rows, a tenth of the per-token bytes at long ones."""
+    e, s = job.e, job.shape
+    return job.tokens * (e * s.hidden_size + (1 if job.liger else 3) * e * s.intermediate_size)
+
+
+def attention_quadratic(job: EstimateContext) -> int:
+    """The part of the activations that grows with B·S² rather than B·S: SDPA's mask, built once
+    (S bytes per token) and converted per layer (e·S per token), eager attention's fp32
+    probabilities and their cast ((4 + e)·heads·S per token per layer); per layer for every
+    layer without checkpointing, for the recomputed one with it. 0 with flash_attention_2 and
+    varlen, whose memory is linear in S."""
+    if not _builds_mask(job):
+        return 0
+    s_len, e = job.seq_len, job.e
+    per_layer = (4 + (e if e != 4 else 0)) * job.shape.num_heads * s_len if job.attn == "eager" else e * s_len
+    layers = 1 if job.cfg.model.gradient_checkpointing else job.shape.num_layers
+    return job.tokens * (s_len + layers * per_layer)
+
+
+def _builds_mask(job: EstimateContext) -> bool:
+    """transformers builds the B×1×S×S mask for SDPA and eager attention, not for flash_attention_2
+    or zerolab's varlen function (which runs on the row's sample boundaries)."""
+    return job.attn in ("sdpa", "eager")
 
 
 def _first_layer_saving(job: EstimateContext) -> int:

@@ -9,7 +9,15 @@ from typing import Any
 
 from zerolab.batches import auto_max_seq_length
 from zerolab.config import SFTConfig
-from zerolab.memory.activations import activation_bytes_per_layer, activations, dora_transient, logits_and_loss, recomputed_layer
+from zerolab.memory.activations import (
+    activation_bytes_per_layer,
+    activations,
+    attention_quadratic,
+    backward_gradients,
+    dora_transient,
+    logits_and_loss,
+    recomputed_layer,
+)
 from zerolab.memory.batch import BatchShape, ShardLengths
 from zerolab.memory.calibration import DEFAULT_CALIBRATION, Calibration
 from zerolab.memory.context import EstimateContext, ZeroKnobs
@@ -32,6 +40,7 @@ from zerolab.memory.terms import (
     optimizer_states,
     weights,
 )
+from zerolab.memory.units import GIB
 from zerolab.zero import Option
 
 
@@ -72,7 +81,7 @@ def device_components(job: EstimateContext) -> tuple[dict[str, int], dict[str, i
     """Components and phases. Persistent = weights + master + optimizer states + the offload
     gradient buffer + framework.
     Forward/backward = persistent + gathered + saved activations + max(loss region, recomputed
-    layer + logits, DoRA transient) (+ gradients held across accumulation steps, and ZeRO-3's
+    layer + the gradients of a layer's backward + logits, DoRA transient) (+ gradients held across accumulation steps, and ZeRO-3's
     gradient partition buffer, allocated at init). Optimizer
     step = persistent + gradients + DeepSpeed buffers + the last logits (``out`` still holds
     them). ZeRO-0's gradient all-reduce = persistent + gradients + their flat bucket, min(T, 5e8)·e
@@ -82,7 +91,7 @@ def device_components(job: EstimateContext) -> tuple[dict[str, int], dict[str, i
     layer's activations, B·S·(e·h + the per-layer bytes)."""
     # ``out.logits`` lives until the next forward (the fused loss returns none).
     logits = 0 if job.fused_loss else job.e * job.shape.vocab_size * job.tokens
-    saved, recompute = activations(job), recomputed_layer(job)
+    saved, recompute, grads_in_flight = activations(job), recomputed_layer(job), backward_gradients(job)
     c = {
         "weights": weights(job) + fp8_weights(job),
         # The most gathered at once: at the start of the backward pass or of the forward pass.
@@ -98,11 +107,12 @@ def device_components(job: EstimateContext) -> tuple[dict[str, int], dict[str, i
     }
     persistent = c["weights"] + c["master weights"] + c["optimizer states"] + c["offload gradient buffer"] + c["framework"]
     held_grads = c["gradients"] if job.stage == 3 or job.cfg.train.grad_accum_steps > 1 else 0
-    # The loss region comes at the end of the forward pass; a recomputed layer (checkpointing) and
-    # DoRA's weight-norm temporaries come while every saved activation is alive, but not with it.
+    # The loss region comes at the end of the forward pass; a layer's backward (with checkpointing,
+    # its recomputed forward first) and DoRA's weight-norm temporaries come while every saved
+    # activation is alive, but not with it.
     # A quantized base's dequantized weight lives only within its layer's product, as FP8's input copy.
     transient = fp8_transient(job) + dequantized_transient(job)
-    peak_activity = max(logits_and_loss(job), recompute + logits + transient, dora_transient(job))
+    peak_activity = max(logits_and_loss(job), recompute + grads_in_flight + logits + transient, dora_transient(job))
     phases = {
         "init": persistent - c["optimizer states"] + (job.T * job.e if job.stage in (1, 2) else 0),
         "forward/backward": persistent + held_grads + gathered(job) + saved + peak_activity,
@@ -127,6 +137,11 @@ def build_estimate(job: EstimateContext) -> Estimate:
         if job.n > 1:
             outside["NCCL"] = job.cal.nccl_bytes
     host_worker, host_phases, host_other, host_node = host_components(job, max(phases.values()))
+    quadratic = attention_quadratic(job)
+    if quadratic > 0.05 * max(phases.values()):
+        job.notes.append(f"{job.attn} attention at {job.seq_len:,}-token rows holds {quadratic / GIB:.1f} GiB that grows with the square "
+                         f"of the row (its S×S mask and scores); model.attn_implementation=varlen (packed rows, on GPUs) or "
+                         f"flash_attention_2 keeps attention memory linear in the row's length")
     if job.stage == 3 and job.n == 1 and not job.offload_param:
         job.notes.append("ZeRO-3 on one GPU partitions nothing: it holds what ZeRO-0 holds and adds gathering overhead")
     return Estimate(

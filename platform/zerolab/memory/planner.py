@@ -1,10 +1,11 @@
 """Planning: every ZeRO stage × offload option estimated and checked against the machine, the
-fastest that fits recommended, and the largest micro-batch that fits."""
+fastest that fits recommended, the largest micro-batch that fits, and the longest row."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from zerolab.config import ConfigError, SFTConfig, validate
@@ -13,6 +14,7 @@ from zerolab.memory.calibration import DEFAULT_CALIBRATION, Calibration
 from zerolab.memory.estimator import estimate
 from zerolab.memory.limits import Limits
 from zerolab.memory.options import ALL_OPTIONS, RELATIVE_STEP_TIME, Estimate, PlanRow, Recommendation
+from zerolab.memory.shapes import target_projections
 from zerolab.zero import Option
 
 
@@ -106,6 +108,95 @@ def largest_micro_batch(cfg: SFTConfig, model_config: Any, limits: Limits, optio
         middle = (good + bad) // 2
         good, bad = (middle, bad) if fits(middle) else (good, middle)
     return good
+
+
+LONGEST_ROW_LIMIT = 1 << 22
+"""The longest row :func:`longest_row` tries: 4M tokens, past ALST's 3.7M on eight GPUs."""
+
+
+def long_row_config(cfg: SFTConfig, max_seq_length: int) -> SFTConfig:
+    """``cfg`` taking rows of ``max_seq_length`` tokens one at a time: micro-batch 1, packed (so
+    that the varlen kernel runs on the row's samples and a shorter row leaves room for more)."""
+    return cfg.replace(train=dataclasses.replace(cfg.train, micro_batch_size=1),
+                       data=dataclasses.replace(cfg.data, max_seq_length=max_seq_length, packing=True))
+
+
+def longest_row(cfg: SFTConfig, model_config: Any, limits: Limits, option: Option, *, multiple: int = 1024,
+                limit: int = LONGEST_ROW_LIMIT, calibration: Calibration = DEFAULT_CALIBRATION) -> int | None:
+    """The longest ``data.max_seq_length``, a multiple of ``multiple`` up to ``limit``, with which
+    ``cfg`` under ``option`` fits ``limits`` outside the estimator's 10% margin (not
+    :attr:`Fit.tight`) at micro-batch 1 with packing (:func:`long_row_config`): the longest
+    sample such a job can train. None if not even ``multiple`` tokens fit. Memory grows with the
+    row, so powers of two from ``multiple``, then a bisection in steps of ``multiple``, find it
+    in O(log(limit / multiple)) estimates. The worst case by config: every row that long."""
+    def fits(steps: int) -> bool:
+        fit = estimate(option.apply(long_row_config(cfg, steps * multiple)), model_config, calibration=calibration).fits(limits)
+        return fit.fits and not fit.tight
+
+    top = max(limit // multiple, 1)
+    if not fits(1):
+        return None
+    good, bad = 1, None
+    while bad is None and good < top:
+        trial = min(2 * good, top)
+        if fits(trial):
+            good = trial
+        else:
+            bad = trial
+    while bad is not None and bad - good > 1:
+        middle = (good + bad) // 2
+        good, bad = (middle, bad) if fits(middle) else (good, middle)
+    return good * multiple
+
+
+@dataclass(frozen=True)
+class LongerRow:
+    """A change of settings and the longest row with it (:func:`longer_row_settings`)."""
+
+    what: str
+    overrides: tuple[str, ...]
+    """The ``--set`` overrides that make it (beyond micro-batch 1 and packing)."""
+    option: Option
+    tokens: int | None
+    """The longest row that fits with them (None: not even the shortest)."""
+
+
+def longer_row_settings(cfg: SFTConfig, model_config: Any, limits: Limits, option: Option, *, multiple: int = 1024,
+                        limit: int = LONGEST_ROW_LIMIT, calibration: Calibration = DEFAULT_CALIBRATION) -> list[LongerRow]:
+    """Each setting that shortens what a row costs and that ``cfg`` does not use yet, with the
+    longest row it allows (:func:`longest_row`), then all of them together: gradient
+    checkpointing (each layer keeps only its input), Liger's fused loss (no B·S×V logits; GPUs,
+    frozen head), varlen attention (no S×S mask; GPUs), a 4-bit base (adapters only), and ZeRO-3
+    with parameter and optimizer offload (the weights leave the GPU between uses). Variants that
+    the config's validation refuses are left out."""
+    peft, gpu = cfg.adapter.is_peft(), cfg.scaling.use_gpu
+    head_trains = not peft or "lm_head" in target_projections(cfg.adapter)[0]
+    m = cfg.model
+    levers: list[tuple[str, dict[str, Any]]] = []
+    if not m.gradient_checkpointing:
+        levers.append(("gradient checkpointing", {"gradient_checkpointing": True}))
+    if gpu and not head_trains and m.kernels != "liger":
+        levers.append(("Liger's fused loss and kernels", {"kernels": "liger"}))
+    if gpu and m.attn_implementation in ("sdpa", "eager"):
+        levers.append(("varlen attention", {"attn_implementation": "varlen"}))
+    if peft and m.quantization == "none" and not m.fp8:
+        levers.append(("a 4-bit base", {"quantization": "nf4"}))
+    offload = Option(3, "all")
+    variants = [(what, changes, option) for what, changes in levers]
+    if option != offload:
+        variants.append((f"{offload.label} (the weights leave the GPU between uses)", {}, offload))
+    if len(variants) > 1:
+        variants.append(("all of these", {k: v for _, c, _ in variants for k, v in c.items()}, offload))
+    base_problems = set(validate(cfg))
+    out = []
+    for what, changes, opt in variants:
+        variant = opt.apply(cfg.replace(model=dataclasses.replace(m, **changes)))
+        if any(p not in base_problems for p in validate(long_row_config(variant, multiple))):
+            continue
+        overrides = tuple(f"model.{k}={str(v).lower()}" for k, v in changes.items()) + (tuple(opt.overrides()) if opt != option else ())
+        out.append(LongerRow(what, overrides, opt, longest_row(variant, model_config, limits, opt, multiple=multiple, limit=limit,
+                                                               calibration=calibration)))
+    return out
 
 
 def _fastest_fitting(rows: list[PlanRow]) -> PlanRow | None:

@@ -1,10 +1,12 @@
-"""Formatting: the component × option table that ``jobs/estimate.py`` prints."""
+"""Formatting: the component × option table and the longest-row report that ``jobs/estimate.py`` prints."""
 
 from __future__ import annotations
 
 from zerolab.memory.limits import Limits
 from zerolab.memory.options import Estimate, PlanRow
+from zerolab.memory.planner import LongerRow
 from zerolab.memory.units import GIB
+from zerolab.zero import Option
 
 
 def format_table(rows: list[PlanRow], limits: Limits) -> str:
@@ -43,3 +45,31 @@ def format_table(rows: list[PlanRow], limits: Limits) -> str:
     out = ["  ".join(cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(row)) for row in [header, *lines]]
     invalid = [f"{r.option.label}: not allowed ({r.invalid})" for r in rows if r.estimate is None]
     return "\n".join(out + invalid)
+
+
+SEQUENCE_PARALLEL_NOTE = ("more GPUs: ZeRO partitions weights, gradients and optimizer states, but each GPU still holds "
+                          "the activations of a whole row; only splitting each row's tokens over the GPUs (sequence "
+                          "parallelism) makes a row longer than one GPU holds")
+
+
+def format_longest_row(tokens: int | None, option: Option, *, multiple: int, max_positions: int | None = None,
+                       longer: list[LongerRow] | None = None) -> str:
+    """The longest-row report: the longest ``data.max_seq_length`` that fits under ``option``
+    (:func:`~zerolab.memory.planner.longest_row`), whether it passes the model's trained length,
+    and with ``longer`` the settings that make a longer one fit."""
+    if tokens is None:
+        lines = [f"longest row with {option.label}: none fits, not even {multiple:,} tokens at micro-batch 1"]
+    else:
+        lines = [f"longest row with {option.label}: {tokens:,} tokens at micro-batch 1, packed (--set data.max_seq_length={tokens}; "
+                 f"the longest multiple of {multiple:,} that fits outside the estimate's 10% margin)"]
+        if max_positions is not None and tokens > max_positions:
+            lines.append(f"  that is past the model's max_position_embeddings ({max_positions:,}): rows longer than it need "
+                         f"RoPE scaling (rope_scaling in the model's config) to keep positions right")
+    if longer is not None:
+        lines.append("longer rows:" if longer else "longer rows: every setting that shortens a row's cost is on already")
+        for row in longer:
+            figure = "none fits" if row.tokens is None else f"{row.tokens:,} tokens"
+            gain = f" ({row.tokens / tokens:.1f}×)" if row.tokens and tokens else ""
+            lines.append(f"  with {row.what}: {figure}{gain} (--set {' --set '.join(row.overrides)})")
+        lines.append(f"  {SEQUENCE_PARALLEL_NOTE}")
+    return "\n".join(lines)

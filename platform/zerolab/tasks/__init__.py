@@ -1,8 +1,8 @@
 """Tasks: a deterministic dataset generator and a scorer per task.
 
 Rows are written in the seeds' on-disk formats (a JSON array of instruction/input/output for
-``math_sum``, JSONL text/label for ``ner_json``), so generated and user-provided data go through the
-same reading code.
+``math_sum`` and ``long_context``, JSONL text/label for ``ner_json``), so generated and
+user-provided data go through the same reading code.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zerolab.tasks import math_sum, ner_json
+from zerolab.tasks import long_context, math_sum, ner_json
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,8 @@ class Task:
     score: Callable[[str, str, str], dict[str, float]]
     """(prompt, reference, prediction) -> per-example numbers, summed by ``summarize``."""
     summarize: Callable[[Sequence[dict[str, float]]], dict[str, float]]
+    sized: bool = False
+    """The generator also takes ``max_tokens`` (``data.max_seq_length``): its rows are as long as the job allows."""
 
 
 def exact_match_score(prompt: str, reference: str, prediction: str) -> dict[str, float]:
@@ -54,6 +56,15 @@ TASKS: dict[str, Task] = {
         generate=ner_json.generate,
         score=ner_json.score,
         summarize=ner_json.summarize,
+    ),
+    "long_context": Task(
+        name="long_context",
+        system_prompt=long_context.SYSTEM_PROMPT,
+        file_format="json",
+        generate=long_context.generate,
+        score=long_context.score,
+        summarize=mean_summary,
+        sized=True,
     ),
     "custom": Task(
         name="custom",
@@ -85,8 +96,10 @@ def write_rows(rows: list[dict[str, Any]], path: str | Path, file_format: str) -
     return path
 
 
-def generate_dataset(task_name: str, num_rows: int, seed: int, path: str | Path) -> Path:
-    """Generate ``num_rows`` rows of ``task_name`` with ``seed`` and write them to ``path``."""
+def generate_dataset(task_name: str, num_rows: int, seed: int, path: str | Path, *, max_tokens: int | None = None) -> Path:
+    """Generate ``num_rows`` rows of ``task_name`` with ``seed`` and write them to ``path``; a
+    sized task's rows fill ``max_tokens`` (its default when None), other tasks ignore it."""
     task = get_task(task_name)
     assert task.generate is not None, f"task {task_name} has no generator"
-    return write_rows(task.generate(num_rows, seed), path, task.file_format)
+    sized = {"max_tokens": max_tokens} if task.sized and max_tokens is not None else {}
+    return write_rows(task.generate(num_rows, seed, **sized), path, task.file_format)
