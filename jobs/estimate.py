@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                 connect_ray(cfg)
             splits = prepare_data(cfg, resolve_model_path(cfg.model.name_or_path))
             cfg = resolve_max_seq_length(cfg, splits)
-            data = shard_lengths(splits, cfg.world_size()) if args.data else None
+            data = shard_lengths(splits, cfg.data_parallel_size()) if args.data else None
         rows = plan_options(cfg, model_config, limits, options=options, data=data)
         rec = recommend(cfg, model_config, limits, rows=rows, data=data)
     except (ConfigError, ModelLoadError, MemoryEstimateError, DataError) as exc:

@@ -1065,3 +1065,22 @@ def test_cli_reports_the_longest_row_and_what_makes_it_longer(tmp_path, tiny_mod
     assert "longest row with ZeRO-2: 124,928 tokens at micro-batch 1, packed (--set data.max_seq_length=124928;" in out
     assert "past the model's max_position_embeddings (32,768)" in out
     assert "with a 4-bit base:" in out and "with all of these:" in out and "sequence parallelism" in out
+
+
+def test_sequence_parallelism_splits_a_rows_activations_and_lengthens_the_longest_row():
+    """Ulysses over N GPUs: each holds 1/N of the row's tokens, so the token terms shrink N-fold, and
+    on a node of 8 GPUs the longest-row report offers the most the 7B's heads allow (4: its 28 query
+    heads divide by 4, not 8), with the overrides that set it."""
+    cfg = load_config(None, LONG_7B)
+    one = memory.estimate(Option(2).apply(memory.long_row_config(cfg, 131072)), QWEN25_7B)
+    split = memory.estimate(Option(2).apply(memory.long_row_config(
+        load_config(None, [*LONG_7B, "scaling.num_workers=4", "scaling.sequence_parallel_size=4"]), 131072)), QWEN25_7B)
+    assert split.device["activations"] == pytest.approx(one.device["activations"] / 4, rel=0.01)
+    node = Limits(gpu_mem_bytes=80 * GIB, gpus_per_node=8)
+    longer = {r.what: r for r in memory.longer_row_settings(cfg, QWEN25_7B, node, Option(2))}
+    row = longer["sequence parallelism over 4 GPUs (each holds 1/4 of the row)"]
+    assert row.overrides == ("scaling.num_workers=4", "scaling.sequence_parallel_size=4")
+    alone = memory.longest_row(cfg, QWEN25_7B, node, Option(2))
+    assert row.tokens > 3.5 * alone
+    assert "sequence parallelism over" not in " ".join(
+        r.what for r in memory.longer_row_settings(cfg, QWEN25_7B, Limits(gpu_mem_bytes=80 * GIB, gpus_per_node=1), Option(2)))

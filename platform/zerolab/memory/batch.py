@@ -93,9 +93,10 @@ class BatchShape:
     @classmethod
     def from_config(cls, cfg: SFTConfig) -> BatchShape:
         """The worst case the config allows: every micro-batch ``micro_batch_size`` × ``max_seq_length``,
-        every row ``max_seq_length`` tokens, ⌈rows / N⌉ rows of each split per worker. Raises
-        MemoryEstimateError for ``max_seq_length: auto``, which only the data decides."""
-        s, n = cfg.data.max_seq_length, cfg.world_size()
+        every row ``max_seq_length`` tokens, ⌈rows / D⌉ rows of each split per worker (D data-parallel
+        groups: the ranks of a sequence-parallel group read one shard). Raises MemoryEstimateError for
+        ``max_seq_length: auto``, which only the data decides."""
+        s, n = cfg.data.max_seq_length, cfg.data_parallel_size()
         if s == "auto":
             raise MemoryEstimateError("data.max_seq_length: auto is the length of the data's longest row, so the estimate needs "
                                       "the data; estimate on it (jobs/estimate.py tokenizes it) or set a number of tokens")

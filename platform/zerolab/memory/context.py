@@ -68,7 +68,10 @@ class EstimateContext:
         self.e = 4 if cfg.precision() == "fp32" else 2
         self.peft = cfg.adapter.is_peft()
         self.batch = batch or BatchShape.from_config(cfg)
-        self.tokens = self.batch.micro_batch.tokens
+        # Ulysses sequence parallelism: each rank of a group holds 1/sp of every row's tokens (inside
+        # attention: the whole row for 1/sp of the heads, as many bytes).
+        self.sp = max(1, cfg.scaling.sequence_parallel_size)
+        self.tokens = math.ceil(self.batch.micro_batch.tokens / self.sp)
         self.seq_len = self.batch.micro_batch.seq_len
         # varlen attention runs on GPUs only; elsewhere the model loads with sdpa (zerolab.kernels).
         self.attn = "sdpa" if cfg.model.attn_implementation == "varlen" and not self.gpu else cfg.model.attn_implementation

@@ -73,7 +73,7 @@ def estimate(cfg: SFTConfig, model_config: Any, *, calibration: Calibration = DE
         notes.append(f"adapter.target_modules {unknown} are not projections this estimator knows; they were left out")
     if shape.model_type not in ("qwen2", "llama", "mistral"):
         notes.append(f"model_type {shape.model_type!r} estimated as a Llama/Qwen2-style decoder")
-    batch = data.batch_shape(cfg) if data is not None and data.world_size == cfg.world_size() else BatchShape.from_config(cfg)
+    batch = data.batch_shape(cfg) if data is not None and data.world_size == cfg.data_parallel_size() else BatchShape.from_config(cfg)
     return build_estimate(EstimateContext(cfg, shape, inventory, knobs, option, calibration, tuple(notes), batch))
 
 

@@ -167,8 +167,9 @@ def longer_row_settings(cfg: SFTConfig, model_config: Any, limits: Limits, optio
     longest row it allows (:func:`longest_row`), then all of them together: gradient
     checkpointing (each layer keeps only its input), Liger's fused loss (no B·S×V logits; GPUs,
     frozen head), varlen attention (no S×S mask; GPUs), a 4-bit base (adapters only), and ZeRO-3
-    with parameter and optimizer offload (the weights leave the GPU between uses). Variants that
-    the config's validation refuses are left out."""
+    with parameter and optimizer offload (the weights leave the GPU between uses), and on a node of
+    several GPUs, Ulysses sequence parallelism over them (each GPU holds 1/N of the row's tokens).
+    Variants that the config's validation or the model's heads refuse are left out."""
     peft, gpu = cfg.adapter.is_peft(), cfg.scaling.use_gpu
     head_trains = not peft or "lm_head" in target_projections(cfg.adapter)[0]
     m = cfg.model
@@ -182,21 +183,37 @@ def longer_row_settings(cfg: SFTConfig, model_config: Any, limits: Limits, optio
     if peft and m.quantization == "none" and not m.fp8:
         levers.append(("a 4-bit base", {"quantization": "nf4"}))
     offload = Option(3, "all")
-    variants = [(what, changes, option) for what, changes in levers]
+    variants = [(what, changes, {}, option) for what, changes in levers]
     if option != offload:
-        variants.append((f"{offload.label} (the weights leave the GPU between uses)", {}, offload))
+        variants.append((f"{offload.label} (the weights leave the GPU between uses)", {}, {}, offload))
+    sp = _sequence_parallel_size(cfg, model_config, limits)
+    if sp > 1:
+        split = {"num_workers": max(sp, cfg.scaling.num_workers), "sequence_parallel_size": sp}
+        variants.append((f"sequence parallelism over {sp} GPUs (each holds 1/{sp} of the row)", {}, split, option))
     if len(variants) > 1:
-        variants.append(("all of these", {k: v for _, c, _ in variants for k, v in c.items()}, offload))
+        variants.append(("all of these", {k: v for _, c, _, _ in variants for k, v in c.items()},
+                         {k: v for _, _, s, _ in variants for k, v in s.items()}, offload))
     base_problems = set(validate(cfg))
     out = []
-    for what, changes, opt in variants:
-        variant = opt.apply(cfg.replace(model=dataclasses.replace(m, **changes)))
+    for what, changes, scaling, opt in variants:
+        variant = opt.apply(cfg.replace(model=dataclasses.replace(m, **changes), scaling=dataclasses.replace(cfg.scaling, **scaling)))
         if any(p not in base_problems for p in validate(long_row_config(variant, multiple))):
             continue
-        overrides = tuple(f"model.{k}={str(v).lower()}" for k, v in changes.items()) + (tuple(opt.overrides()) if opt != option else ())
+        overrides = tuple(f"model.{k}={str(v).lower()}" for k, v in changes.items()) + tuple(
+            f"scaling.{k}={v}" for k, v in scaling.items()) + (tuple(opt.overrides()) if opt != option else ())
         out.append(LongerRow(what, overrides, opt, longest_row(variant, model_config, limits, opt, multiple=multiple, limit=limit,
                                                                calibration=calibration)))
     return out
+
+
+def _sequence_parallel_size(cfg: SFTConfig, model_config: Any, limits: Limits) -> int:
+    """The most GPUs of one node that Ulysses can split a row over for this model (1: none)."""
+    gpus = limits.gpus_per_node or 0
+    if not cfg.scaling.use_gpu or cfg.scaling.sequence_parallel_size > 1 or gpus < 2:
+        return 1
+    from zerolab.sequence_parallel import head_problems  # imports torch, which the estimator otherwise does not
+
+    return max((n for n in range(2, gpus + 1) if gpus % n == 0 and not head_problems(n, model_config, "")), default=1)
 
 
 def _fastest_fitting(rows: list[PlanRow]) -> PlanRow | None:

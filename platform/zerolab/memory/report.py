@@ -48,8 +48,8 @@ def format_table(rows: list[PlanRow], limits: Limits) -> str:
 
 
 SEQUENCE_PARALLEL_NOTE = ("more GPUs: ZeRO partitions weights, gradients and optimizer states, but each GPU still holds "
-                          "the activations of a whole row; only splitting each row's tokens over the GPUs (sequence "
-                          "parallelism) makes a row longer than one GPU holds")
+                          "the activations of a whole row; only splitting each row's tokens over the GPUs "
+                          "(sequence parallelism: scaling.sequence_parallel_size) makes a row longer than one GPU holds")
 
 
 def format_longest_row(tokens: int | None, option: Option, *, multiple: int, max_positions: int | None = None,
