@@ -151,8 +151,7 @@ def run_two_ranks(sp: int, stage: int) -> dict:
         return dict(results)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 2])
 def test_sequence_parallel_step_matches_data_parallel_step(stage):
     plain, split = run_two_ranks(1, stage), run_two_ranks(2, stage)
     assert plain["exchanges"] == 0
