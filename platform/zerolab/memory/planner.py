@@ -4,7 +4,7 @@ fastest that fits recommended, the largest micro-batch that fits, and the longes
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +95,13 @@ def largest_micro_batch(cfg: SFTConfig, model_config: Any, limits: Limits, optio
         fit = estimate(variant, model_config, calibration=calibration, data=data).fits(limits)
         return fit.fits and not fit.tight
 
+    return _largest(fits, limit)
+
+
+def _largest(fits: Callable[[int], bool], limit: int) -> int | None:
+    """The largest n in 1..``limit`` with ``fits(n)``, for a ``fits`` true up to some n and false
+    after it (memory grows with n): doubling from 1, then bisection, O(log limit) calls. None if
+    not even 1 fits."""
     if not fits(1):
         return None
     good, bad = 1, None
@@ -133,20 +140,8 @@ def longest_row(cfg: SFTConfig, model_config: Any, limits: Limits, option: Optio
         fit = estimate(option.apply(long_row_config(cfg, steps * multiple)), model_config, calibration=calibration).fits(limits)
         return fit.fits and not fit.tight
 
-    top = max(limit // multiple, 1)
-    if not fits(1):
-        return None
-    good, bad = 1, None
-    while bad is None and good < top:
-        trial = min(2 * good, top)
-        if fits(trial):
-            good = trial
-        else:
-            bad = trial
-    while bad is not None and bad - good > 1:
-        middle = (good + bad) // 2
-        good, bad = (middle, bad) if fits(middle) else (good, middle)
-    return good * multiple
+    steps = _largest(fits, max(limit // multiple, 1))
+    return None if steps is None else steps * multiple
 
 
 @dataclass(frozen=True)
