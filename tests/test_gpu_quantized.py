@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import trained_state
-from test_gpu_tier import GPUS, case_config, probe_logits, relative_error
+from test_gpu_tier import GPUS, case_config, matrix, probe_logits, relative_error
 from zerolab import adapters
 from zerolab.config import ModelSpec, SFTConfig
 from zerolab.engine import DTYPES
@@ -88,13 +88,7 @@ def check_quantized_case(tmp_path: Path, model_path: str, overrides: list[str], 
     return result
 
 
-def matrix() -> list:
-    return [pytest.param(n, overrides, id=f"{n}gpu-{name}",
-                         marks=[pytest.mark.skipif(GPUS < n, reason=f"needs {n} GPUs, {GPUS} found")] if n > 1 else [])
-            for n in (1, 2) for name, overrides in CASES.items()]
-
-
-@pytest.mark.parametrize(("num_gpus", "overrides"), matrix())
+@pytest.mark.parametrize(("num_gpus", "overrides"), matrix(CASES))
 def test_quantized_base_on_gpus(gpu_ray, tmp_path, gpu_model_path, num_gpus, overrides):
     check_quantized_case(tmp_path, gpu_model_path, overrides, num_gpus)
 

@@ -174,13 +174,14 @@ def check_case(tmp_path: Path, model_path: str, overrides: list[str], num_worker
     assert relative_error(reloaded["bf16"], reference) < BF16_LOGITS_TOL
 
 
-def matrix() -> list:
+def matrix(cases: dict[str, list[str]]) -> list:
+    """Each case on one GPU and on two (skipped with fewer)."""
     return [pytest.param(n, overrides, id=f"{n}gpu-{name}",
                          marks=[pytest.mark.skipif(GPUS < n, reason=f"needs {n} GPUs, {GPUS} found")] if n > 1 else [])
-            for n in (1, 2) for name, overrides in CASES.items()]
+            for n in (1, 2) for name, overrides in cases.items()]
 
 
-@pytest.mark.parametrize(("num_gpus", "overrides"), matrix())
+@pytest.mark.parametrize(("num_gpus", "overrides"), matrix(CASES))
 def test_method_and_zero_stage_on_gpus(gpu_ray, tmp_path, gpu_model_path, num_gpus, overrides):
     check_case(tmp_path, gpu_model_path, overrides, num_gpus)
 
