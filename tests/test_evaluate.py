@@ -250,7 +250,7 @@ def test_evaluate_job_compares_base_and_tuned_and_logs_both(mlflow_store, tmp_pa
         (["--adapter", "runs:/0123456789abcdef0123456789abcdef"],
          "error: --adapter: there is no MLflow run '0123456789abcdef0123456789abcdef' in sqlite:"),
         (["--adapter", "models:/no-such-model/3"], "error: --adapter: no such registered model version models:/no-such-model/3 in sqlite:"),
-        (["--adapter", "runs:/{run_id}", "--task", "poetry"], "error: --task: unknown task 'poetry'; choose one of math_sum, ner_json, custom"),
+        (["--adapter", "runs:/{run_id}", "--task", "poetry"], "error: --task: unknown task 'poetry'; choose one of math_sum, ner_json, long_context, custom"),
         (["--adapter", "runs:/{run_id}", "--data", "/no/such/eval.json"],
          "error: --data: there is no eval file or folder /no/such/eval.json; give a JSON/JSONL/Parquet eval file"),
         (["--model", BUILTIN_TINY_MODEL, "--task", "math_sum", "--compare-base"],
