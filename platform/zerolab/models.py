@@ -270,7 +270,8 @@ def load_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | None 
         raise ModelLoadError(load_failure(spec.name_or_path, "model", exc)) from exc
     if device is not None and not by_map:
         model.to(device)
-    keep_training_layout(model)
+    if quantization is not None:
+        keep_training_layout(model)
     if spec.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
