@@ -63,7 +63,7 @@ def test_trl_trains_zerolabs_rows_through_the_harness_on_cpu(harness, tmp_path):
     exactly the rows, tokens and loss targets zerolab's data report counts. Their steps' tokens are
     not the same tokens: zerolab packs best fit in each epoch's random order, TRL best fit decreasing
     over the whole set and then shuffles the packed sequences, so the same rows group differently;
-    both fill their sequences, so a step's tokens agree within 5%. About 50 s on 2 cores."""
+    both fill their sequences, so a step's tokens agree within 5%. 45-70 s on a shared 2-core machine."""
     runs = {r.system: r for r in harness.SUITES["cpu-smoke"] if r.system in ("zerolab", "trl")}
     ws = harness.Workspace(tmp_path)
     ws.prepare({"tiny"})
