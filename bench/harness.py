@@ -6,12 +6,17 @@ Each run is a fresh process started from here, timed from its launch:
   figures from the run's own last logging window (``perf/*``, ``mem/*``);
 - ``zerolab-torchrun``: zerolab's training step and engine under torchrun, without Ray;
 - ``seeds``: the seeds' Hugging Face Trainer recipe under torchrun, samples padded to the maximum;
-- ``plain``: a hand-written PyTorch + peft loop under torchrun, padded per micro-batch.
+- ``plain``: a hand-written PyTorch + peft loop under torchrun, padded per micro-batch;
+- ``trl``: TRL's ``SFTTrainer`` as its documentation advises for speed (``bench/trl_sft.py``:
+  padding-free best-fit-decreasing packing, Liger, its fused LM head, fused AdamW, the best attention
+  the host has), without DeepSpeed; plain ``python`` on one GPU, torchrun on several.
 
 Every run trains the same random-init model (a Qwen2.5 shape) with LoRA r=16 on all linear layers
 (alpha 32, no dropout), bf16, on the same data mix (``bench/workload.py``) for the same number of
-optimizer steps; throughput is non-padding tokens over the last ``window`` steps. zerolab runs also
-give a row of the memory calibration (estimate next to the measured peaks).
+optimizer steps; throughput is non-padding tokens over the last ``window`` steps. Every system
+reports the rows it trains on (``train_rows``, ``train_tokens``, ``train_target_tokens``: zerolab
+from its data report, the others from the rows they were given, TRL from its packed dataset), the
+same for all. zerolab runs also give a row of the memory calibration (estimate next to the measured peaks).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import json
 import os
 import platform
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -31,12 +37,14 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-SYSTEMS = ("zerolab", "zerolab-torchrun", "seeds", "plain")
+SYSTEMS = ("zerolab", "zerolab-torchrun", "seeds", "plain", "trl")
 SHAPE_IDS = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B", "qwen2.5-7b": "Qwen/Qwen2.5-7B", "qwen2.5-14b": "Qwen/Qwen2.5-14B"}
 
-COLUMNS = ["run", "system", "shape", "gpus", "stage", "offload", "variant", "micro_batch", "checkpointing", "steps",
+COLUMNS = ["run", "system", "shape", "gpus", "stage", "offload", "variant", "micro_batch", "checkpointing", "attn", "steps",
            "tokens_per_s_per_gpu", "step_s", "mfu", "tokens_per_step", "gpu_peak_allocated_gib", "gpu_peak_reserved_gib",
-           "host_rss_peak_gib", "node_used_peak_gib", "time_to_first_step_s", "wall_s", "status", "device", "command"]
+           "host_rss_peak_gib", "node_used_peak_gib", "time_to_first_step_s", "wall_s", "train_rows", "train_tokens",
+           "train_target_tokens", "status", "device", "command"]
+"""``attn``: the attention the run asked for; a ``trl`` run's is the one it loaded (``--attn auto`` picks it)."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,7 @@ class Run:
     window: int = 10
     checkpointing: bool = False
     attn: str = "varlen"
+    """zerolab: ``model.attn_implementation``; trl: ``auto`` or an implementation (``bench/trl_sft.py``)."""
     kernels: str = "auto"
     offload: str = "none"
     variant: str = ""
@@ -115,6 +124,17 @@ def _suite_zero3(shape: str, gpus: int) -> list[Run]:
     return [Run("zerolab", shape, gpus=gpus, stage=stage, micro_batch=mb, steps=8, window=4, variant=f"mb{mb}", timeout_s=240)
             for mb in (4, 2) for stage in (2, 3)] + [
         Run("zerolab-torchrun", shape, gpus=gpus, stage=3, micro_batch=1, steps=6, window=3, profile_steps=2, timeout_s=240)]
+
+
+def _suite_trl(shape: str, *, micro_batch: int, steps: int, timeout_s: int) -> list[Run]:
+    """zerolab at its recommended setting (ZeRO-2, packed rows, ``varlen``, Liger) and TRL set up for
+    speed with the best attention the host has, alternating, three runs each (variants ``rep1``..``rep3``),
+    at the same tokens per step: ``micro_batch`` packed rows of 4,096 tokens. TRL runs without
+    DeepSpeed (``z0`` in its name)."""
+    w = steps // 2
+    return [r for rep in (1, 2, 3) for r in (
+        Run("zerolab", shape, stage=2, micro_batch=micro_batch, steps=steps, window=w, variant=f"rep{rep}", timeout_s=timeout_s),
+        Run("trl", shape, micro_batch=micro_batch, steps=steps, window=w, attn="auto", variant=f"rep{rep}", timeout_s=timeout_s))]
 
 
 def _fp8_against_bf16(shape: str, suffix: str = "", **settings: Any) -> list[Run]:
@@ -244,6 +264,10 @@ SUITES: dict[str, list[Run]] = {
     # (bench/loss_curves.py compares them).
     "qlora-curve-0.5b": [Run("zerolab", "qwen2.5-0.5b", micro_batch=4, steps=200, window=10, variant=f"{q}-curve", timeout_s=420,
                              overrides=(f"model.quantization={q}",)) for q in ("none", "nf4")],
+    # zerolab against TRL's SFTTrainer (the peer users weigh it against), 7B on one GPU with two packed
+    # 4k rows per step, medians of three; the first pair are first launches where ZEROLAB_CACHE is fresh.
+    "trl-7b": _suite_trl("qwen2.5-7b", micro_batch=2, steps=12, timeout_s=300),
+    "trl-0.5b": _suite_trl("qwen2.5-0.5b", micro_batch=4, steps=20, timeout_s=180),
     # CPU smoke test of the harness itself (tiny model, no GPU): every system runs a few steps.
     "cpu-smoke": [Run(s, "tiny", micro_batch=2, steps=4, window=2, checkpointing=s == "seeds", attn="sdpa", kernels="none",
                       timeout_s=600) for s in SYSTEMS],
@@ -322,6 +346,10 @@ def command(run: Run, ws: Workspace, result: Path) -> list[str]:
                 *[a for o in zerolab_overrides(run, ws, for_torchrun=True) for a in ("--set", o)]]
     if run.system == "seeds":
         return [*torchrun, str(REPO / "bench" / "seeds_recipe.py"), *common, "--stage", str(run.stage)]
+    if run.system == "trl":  # one GPU: started as TRL's users start it, without a launcher
+        trl = [str(REPO / "bench" / "trl_sft.py"), *common, "--attn", run.attn, "--kernels", run.kernels,
+               *(["--gradient-checkpointing"] if run.checkpointing else [])]
+        return [sys.executable, *trl] if run.gpus == 1 else [*torchrun, *trl]
     return [*torchrun, str(REPO / "bench" / "torchrun_loop.py"), "--mode", "plain", *common,
             *(["--gradient-checkpointing"] if run.checkpointing else [])]
 
@@ -366,12 +394,14 @@ def execute(run: Run, ws: Workspace, log: Any) -> tuple[dict[str, Any], dict[str
     cmd = command(run, ws, result.with_suffix(".json") if run.system == "zerolab" else result)
     row: dict[str, Any] = {"run": run.name, "system": run.system, "shape": run.shape, "gpus": run.gpus, "stage": run.stage,
                            "offload": run.offload, "variant": run.variant, "micro_batch": run.micro_batch,
-                           "checkpointing": run.checkpointing, "steps": run.steps, "command": _shown(cmd, ws)}
+                           "checkpointing": run.checkpointing, "attn": run.attn, "steps": run.steps, "command": _shown(cmd, ws)}
     env = subprocess_env()
     if run.system == "zerolab-torchrun":  # the allocator settings zerolab's workers get
         from zerolab.cluster import CUDA_ALLOC_CONF
 
         env.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
+    if run.system == "trl" and run.gpus == 1:  # Trainer would wrap the model in DataParallel over every visible GPU
+        env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     log.write(f"\n===== {run.name}\n$ {row['command']}\n")
     log.flush()
     launch = time.time()
@@ -400,8 +430,11 @@ def _collect(run: Run, result: Path) -> dict[str, Any]:
     from zerolab import perf
 
     if run.system == "zerolab":
-        m = json.loads(result.with_suffix(".json").read_text())["metrics"]
-        return {"tokens_per_s_per_gpu": m["perf/tokens_per_s"] / run.gpus, "step_s": m["perf/step_s"], "mfu": m.get("perf/mfu", 0.0),
+        done = json.loads(result.with_suffix(".json").read_text())
+        m, data = done["metrics"], done.get("data", {}).get("train", {})
+        counts = {"train_rows": "rows_used", "train_tokens": "tokens", "train_target_tokens": "target_tokens"}
+        return {**{column: data[key] for column, key in counts.items() if key in data},
+                "tokens_per_s_per_gpu": m["perf/tokens_per_s"] / run.gpus, "step_s": m["perf/step_s"], "mfu": m.get("perf/mfu", 0.0),
                 "tokens_per_step": m["perf/tokens_per_s"] * m["perf/step_s"],
                 "gpu_peak_allocated_gib": m.get("mem/gpu_peak_allocated_gib", 0.0),
                 "gpu_peak_reserved_gib": m.get("mem/gpu_peak_reserved_gib", 0.0), "host_rss_peak_gib": m["mem/host_rss_peak_gib"],
@@ -417,7 +450,7 @@ def _collect(run: Run, result: Path) -> dict[str, Any]:
             "gpu_peak_allocated_gib": max(r.get("gpu_peak_allocated_gib", 0.0) for r in ranks),
             "gpu_peak_reserved_gib": max(r.get("gpu_peak_reserved_gib", 0.0) for r in ranks),
             "host_rss_peak_gib": sum(r["host_rss_peak_gib"] for r in ranks), "first_step_unix": first["first_step_unix"],
-            "device": first["device"]}
+            "device": first["device"], **{k: first[k] for k in ("attn", "train_rows", "train_tokens", "train_target_tokens") if k in first}}
 
 
 def _calibration_row(run: Run, ws: Workspace, metrics: dict[str, Any], node_peak_gib: float) -> dict[str, Any]:
@@ -434,7 +467,10 @@ def _calibration_row(run: Run, ws: Workspace, metrics: dict[str, Any], node_peak
 
 
 def ratios(rows: list[dict[str, Any]]) -> None:
-    """Add ``vs_seeds`` and ``vs_plain``: tokens/s per GPU over the same shape's single-GPU baseline."""
+    """Add ``vs_seeds`` and ``vs_plain``: tokens/s per GPU over the same shape's single-GPU baseline;
+    and ``vs_trl``, ``vs_trl_memory``, ``vs_trl_first_step``: tokens/s per GPU, peak allocated GPU
+    memory and time to first step over the medians of TRL's rows of the same shape, GPU count and
+    micro-batch (the same tokens per step)."""
     base = {(r["shape"], r["system"]): float(r["tokens_per_s_per_gpu"]) for r in rows
             if r.get("status") == "ok" and r["system"] in ("seeds", "plain") and int(r["gpus"]) == 1}
     for r in rows:
@@ -443,11 +479,34 @@ def ratios(rows: list[dict[str, Any]]) -> None:
             ok = r.get("status") == "ok" and b
             r[f"vs_{name}"] = f"{float(r['tokens_per_s_per_gpu']) / b:.2f}" if ok else ""
 
+    def same_work(r: dict[str, Any]) -> tuple[str, int, int]:
+        return r["shape"], int(r["gpus"]), int(r["micro_batch"])
+
+    trl: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("status") == "ok" and r["system"] == "trl":
+            trl.setdefault(same_work(r), []).append(r)
+    for r in rows:
+        peers = trl.get(same_work(r), []) if r.get("status") == "ok" else []
+        for ratio, column in (("vs_trl", "tokens_per_s_per_gpu"), ("vs_trl_memory", "gpu_peak_allocated_gib"),
+                              ("vs_trl_first_step", "time_to_first_step_s")):
+            theirs = [float(p[column]) for p in peers if _number(p.get(column))]
+            r[ratio] = f"{float(r[column]) / statistics.median(theirs):.2f}" if theirs and _number(r.get(column)) else ""
+
+
+def _number(v: Any) -> bool:
+    """A measured, non-zero figure (CSV cells are strings; CPU runs have no GPU memory)."""
+    try:
+        return float(v) != 0.0
+    except (TypeError, ValueError):
+        return False
+
 
 def environment() -> dict[str, Any]:
     """Machine and versions, for the report."""
     env: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count(), "host": platform.node()}
-    for package in ("torch", "transformers", "peft", "deepspeed", "ray", "mlflow-skinny", "mlflow", "liger-kernel", "triton", "accelerate"):
+    for package in ("torch", "transformers", "peft", "deepspeed", "ray", "mlflow-skinny", "mlflow", "liger-kernel", "triton", "accelerate",
+                    "trl", "datasets", "flash-attn"):
         try:
             env[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
@@ -485,10 +544,11 @@ def read_csv(paths: list[Path]) -> list[dict[str, str]]:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """The results as a Markdown table, with ratios to the seeds' recipe and the plain loop."""
+    """The results as a Markdown table, with ratios to the seeds' recipe, the plain loop and TRL
+    (tokens/s, GPU memory, first step: :func:`ratios`)."""
     ratios(rows)
-    head = ["run", "tokens/s/GPU", "step s", "MFU", "tokens/step", "GPU alloc / reserved GiB", "host RSS GiB",
-            "first step s", "vs seeds", "vs plain", "status"]
+    head = ["run", "attn", "tokens/s/GPU", "step s", "MFU", "tokens/step", "GPU alloc / reserved GiB", "host RSS GiB",
+            "first step s", "vs seeds", "vs plain", "vs TRL: tok/s · GPU mem · first step", "status"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     def num(r: dict[str, Any], key: str, fmt: str) -> str:
         v = r.get(key)
@@ -497,11 +557,13 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         ok = r.get("status") == "ok"
         mfu = f"{100 * float(r['mfu']):.1f}%" if ok and r.get("mfu") not in (None, "", "0.0", 0.0) else "—"
+        vs_trl = " · ".join(f"{r[k]}×" if r.get(k) else "—" for k in ("vs_trl", "vs_trl_memory", "vs_trl_first_step"))
         lines.append("| " + " | ".join([
-            r["run"], num(r, "tokens_per_s_per_gpu", ",.0f"), num(r, "step_s", ".3f"), mfu, num(r, "tokens_per_step", ",.0f"),
+            r["run"], r.get("attn") or "—", num(r, "tokens_per_s_per_gpu", ",.0f"), num(r, "step_s", ".3f"), mfu, num(r, "tokens_per_step", ",.0f"),
             f"{num(r, 'gpu_peak_allocated_gib', '.1f')} / {num(r, 'gpu_peak_reserved_gib', '.1f')}", num(r, "host_rss_peak_gib", ".1f"),
             num(r, "time_to_first_step_s", ".1f"), (r.get("vs_seeds") or "—") + ("×" if r.get("vs_seeds") else ""),
-            (r.get("vs_plain") or "—") + ("×" if r.get("vs_plain") else ""), r.get("status", "")]) + " |")
+            (r.get("vs_plain") or "—") + ("×" if r.get("vs_plain") else ""), vs_trl if r.get("vs_trl") else "—",
+            r.get("status", "")]) + " |")
     return "\n".join(lines)
 
 

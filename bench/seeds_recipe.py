@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
 
 from bench.measure import StepMeter, model_counts, write_rank_result  # noqa: E402
-from bench.workload import tokenized_rows  # noqa: E402
+from bench.workload import row_counts, tokenized_rows  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
     MeteredTrainer(model=model, args=training_args, train_dataset=dataset, callbacks=[Meter()]).train()
     result = meter.result(args.window)
-    result.update(total_params=total, trainable_params=trainable, world=training_args.world_size,
+    result.update(row_counts(dataset.rows), total_params=total, trainable_params=trainable, world=training_args.world_size,
                   device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     write_rank_result(args.out, result)
     return 0

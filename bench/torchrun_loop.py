@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
 
 from bench.measure import StepMeter, model_counts, write_rank_result  # noqa: E402
-from bench.workload import tokenized_rows  # noqa: E402
+from bench.workload import row_counts, tokenized_rows  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -63,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     rss = RssTrace() if args.rss_trace else None
     rows = tokenized_rows(args.data, args.model)
-    rows = [r for r in rows if len(r[0]) <= args.max_seq_length][rank::world]
+    rows = [r for r in rows if len(r[0]) <= args.max_seq_length]
+    counts = row_counts(rows)
+    rows = rows[rank::world]
     if rss:
         rss.mark("data")
     meter = StepMeter(device)
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         result = meter.result(args.window)
     else:
         total, trainable, result = zerolab_loop(args, rows, device, world, meter, rss)
-    result.update(total_params=total, trainable_params=trainable, world=world, device=_device_name(device))
+    result.update(counts, total_params=total, trainable_params=trainable, world=world, device=_device_name(device))
     write_rank_result(args.out, result)
     if dist.is_initialized():
         dist.barrier()

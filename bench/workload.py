@@ -77,6 +77,13 @@ def tokenized_rows(path: Path, model_path: str | None = None) -> list[tuple[np.n
     return out
 
 
+def row_counts(rows: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, int]:
+    """What a system trains on, as the benchmark's table names it: rows, their tokens and their loss
+    targets (labels other than -100), as zerolab's data report counts them."""
+    return {"train_rows": len(rows), "train_tokens": int(sum(len(ids) for ids, _ in rows)),
+            "train_target_tokens": int(sum(np.count_nonzero(labels != -100) for _, labels in rows))}
+
+
 def describe(rows: list[tuple[np.ndarray, np.ndarray]], max_tokens: int) -> dict[str, float]:
     """Row count, token counts and the share of padding when every row is padded to ``max_tokens``."""
     lengths = np.array([len(ids) for ids, _ in rows])

@@ -1,16 +1,18 @@
-"""Benchmark zerolab against the seeds' recipe and a plain PyTorch + peft loop on this machine's GPUs.
+"""Benchmark zerolab against the seeds' recipe, a plain PyTorch + peft loop and TRL's SFTTrainer on this machine's GPUs.
 
     python jobs/benchmark.py --suite single-0.5b --suite single-7b --out results/h100
     python jobs/benchmark.py --suite scaling-7b --out results/h200x2 --max-minutes 9
     python jobs/benchmark.py --run zerolab-qwen2.5-7b-1gpu-z0-mb2 --out results/h100  # one run, by name
+    python jobs/benchmark.py --suite trl-7b --out results/h100            # zerolab against TRL (pip install -e .[bench])
     python jobs/benchmark.py --suite cpu-smoke --out /tmp/bench           # the harness itself, on CPU
     python jobs/benchmark.py --report results/*/benchmark.csv --out docs  # one table from several machines
 
 In one invocation, on the same GPUs, data, model shape, adapter, precision and step count, it runs
 zerolab's SFT job (Ray Train + DeepSpeed), zerolab's training step under bare torchrun, the seeds'
-Hugging Face Trainer recipe (torchrun, samples padded to the maximum length) and a plain PyTorch +
-peft loop, then prints and writes ``benchmark.csv`` / ``benchmark.md`` (tokens/s per GPU, step time,
-MFU, peak GPU and host memory, time to first step, ratios to the baselines) with ``environment.json``
+Hugging Face Trainer recipe (torchrun, samples padded to the maximum length), a plain PyTorch +
+peft loop and TRL's SFTTrainer set up for speed, then prints and writes ``benchmark.csv`` /
+``benchmark.md`` (tokens/s per GPU, step time, MFU, peak GPU and host memory, time to first step,
+the rows trained on, ratios to the baselines and to TRL) with ``environment.json``
 (machine and versions), ``checks.json`` (the kernels' correctness on this GPU) and
 ``bench_calibration.csv`` (the memory estimate next to each zerolab run's measured peaks). Not a Ray
 job: it starts every system itself, each in a fresh process (bench/harness.py).

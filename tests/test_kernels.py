@@ -116,6 +116,33 @@ def test_varlen_attention_gives_the_padded_loss_and_gradients(request, monkeypat
     assert_same_loss_and_grads(got, expected, FP32_TOL if dtype == torch.float32 else BF16_TOL)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_varlen_attention_takes_padding_free_batches_in_transformers_format(request, monkeypatch, device):
+    """TRL's padding-free batches (one flattened row, ``cu_seq_lens_q`` and ``max_length_q``: the
+    benchmark registers zerolab's function for TRL) give the packed batch's loss and gradients, with
+    their longest sample, not the flattened row, as the kernel's bound."""
+    if device == "cpu":
+        monkeypatch.setattr(kernels, "varlen_unavailable_reason", lambda device=None: None)
+        monkeypatch.setattr(kernels, "_varlen_call", reference_varlen)
+    spec, dtype = model_for(request, device, attn_implementation="varlen")
+    torch.manual_seed(0)
+    model = load_model(spec, dtype).to(device).eval()
+    model.config.use_cache = False
+    rows = rows_of([12, 25, 9, 30, 17, 21], seed=1)
+    packed = MicroBatches(rows, micro_batch_size=6, max_seq_length=64, packing=True, pad_id=0, seed=0).sequential()[0]
+    expected = loss_and_grads(model, on(packed.inputs, device), num_items_in_batch=packed.num_targets)
+    # Each row's padding is one more sequence, whose labels are ignored: the flattened rows are TRL's layout.
+    cu = packed.inputs[batches.CU_SEQLENS_KEY]
+    flat = {k: packed.inputs[k].reshape(1, -1) for k in ("input_ids", "labels", "position_ids")}
+    longest = int(cu.diff().max())
+    calls, kernel = [], kernels._varlen_call
+    monkeypatch.setattr(kernels, "_varlen_call", lambda *a: calls.append(a[4]) or kernel(*a))
+    got = loss_and_grads(model, on(flat, device), cu_seq_lens_q=cu.to(device), cu_seq_lens_k=cu.to(device), max_length_q=longest,
+                         max_length_k=longest, num_items_in_batch=packed.num_targets)
+    assert calls == [longest] * model.config.num_hidden_layers and longest < flat["input_ids"].shape[1]
+    assert_same_loss_and_grads(got, expected, FP32_TOL if dtype == torch.float32 else BF16_TOL)
+
+
 def test_varlen_falls_back_to_sdpa_without_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("checks the CPU fallback")

@@ -148,10 +148,14 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                              **kwargs: Any) -> tuple[torch.Tensor, None]:
     """A transformers attention function. Packed micro-batches (``packed_cu_seqlens`` given) run the
     varlen kernel over the flattened B·S tokens, with the row width as the longest-sequence bound (a
-    bound is enough and needs no device sync); any other batch goes to SDPA. transformers builds no
-    mask for this implementation, so those batches must be right-padded (as zerolab's are): with
-    causal attention no real token then sees a padding token."""
-    cu = kwargs.get(CU_SEQLENS_KEY)
+    bound is enough and needs no device sync); so do padding-free batches in transformers' own
+    format (``cu_seq_lens_q`` with ``max_length_q``, as TRL's collator makes them), with their
+    longest sample as the bound. Any other batch goes to SDPA. transformers builds no mask for this
+    implementation, so those batches must be right-padded (as zerolab's are): with causal attention
+    no real token then sees a padding token."""
+    cu, bound = kwargs.get(CU_SEQLENS_KEY), None
+    if cu is None and kwargs.get("cu_seq_lens_q") is not None:
+        cu, bound = kwargs["cu_seq_lens_q"], kwargs.get("max_length_q")
     if cu is None or dropout:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -161,7 +165,7 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     q = query.transpose(1, 2).reshape(b * s, heads, d)
     k = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
     v = value.transpose(1, 2).reshape(b * s, value.shape[1], d)
-    out = _varlen_call(q, k, v, cu, s, scaling if scaling is not None else d**-0.5)
+    out = _varlen_call(q, k, v, cu, bound or s, scaling if scaling is not None else d**-0.5)
     return out.view(b, s, heads, d), None
 
 

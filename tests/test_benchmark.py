@@ -1,0 +1,85 @@
+"""The benchmark harness (bench/harness.py) with TRL's SFTTrainer as a system: the table's ratios to
+TRL, how a TRL run is started, and (slow tier) zerolab and TRL run through the harness on the tiny
+model on CPU, training the same rows. Performance figures come from GPU leases, never from here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+
+@pytest.fixture
+def harness(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    from bench import harness
+
+    return harness
+
+
+def row(system: str, tokens_per_s: float, gpu_gib: float | str, first_step_s: float, **settings: object) -> dict[str, object]:
+    """A results row as read back from benchmark.csv (strings)."""
+    values = {"run": f"{system}-{tokens_per_s}", "system": system, "shape": "qwen2.5-7b", "gpus": 1, "micro_batch": 2,
+              "tokens_per_s_per_gpu": tokens_per_s, "gpu_peak_allocated_gib": gpu_gib, "time_to_first_step_s": first_step_s,
+              "status": "ok", **settings}
+    return {k: str(v) for k, v in values.items()}
+
+
+def test_ratios_to_trl_are_over_the_median_of_its_runs_of_the_same_work(harness):
+    trl = [row("trl", 11000, 56.0, 40.0), row("trl", 11500, 56.0, 38.0), row("trl", 9000, 58.0, 44.0)]
+    zerolab = row("zerolab", 15640, 49.0, 35.6)
+    other_batch = row("zerolab", 15000, 31.8, 30.0, micro_batch=1)  # no TRL run at one row per step
+    failed = {**row("trl", 99999, 1.0, 1.0), "status": "failed (1)"}
+    cpu = [row("zerolab", 9700, "", 27.6, shape="tiny"), row("trl", 6600, "", 14.0, shape="tiny")]
+    rows = [*trl, zerolab, other_batch, failed, *cpu]
+    harness.ratios(rows)
+    assert (zerolab["vs_trl"], zerolab["vs_trl_memory"], zerolab["vs_trl_first_step"]) == ("1.42", "0.88", "0.89")
+    assert trl[1]["vs_trl"] == "1.05" and other_batch["vs_trl"] == other_batch["vs_trl_memory"] == ""
+    # On CPU there is no GPU memory to compare: that ratio stays empty, the others are made.
+    assert (cpu[0]["vs_trl"], cpu[0]["vs_trl_memory"], cpu[0]["vs_trl_first_step"]) == ("1.47", "", "1.97")
+    table = harness.markdown_table(rows)
+    assert "| 1.42× · 0.88× · 0.89× |" in table and "| 1.47× · — · 1.97× |" in table
+
+
+def test_trl_starts_without_a_launcher_on_one_gpu_and_under_torchrun_on_several(harness, tmp_path):
+    assert "trl" in harness.SYSTEMS and {r.system for r in harness.SUITES["cpu-smoke"]} == set(harness.SYSTEMS)
+    ws = harness.Workspace(tmp_path)
+    ws.data, ws.models = tmp_path / "mix.jsonl", {"qwen2.5-7b": "/models/7b"}
+    one = harness.command(harness.Run("trl", "qwen2.5-7b", micro_batch=2, attn="auto"), ws, tmp_path / "r")
+    two = harness.command(harness.Run("trl", "qwen2.5-7b", gpus=2, micro_batch=2, checkpointing=True), ws, tmp_path / "r")
+    assert one[1].endswith("bench/trl_sft.py") and "torch.distributed.run" not in one
+    assert one[one.index("--attn") + 1] == "auto" and one[one.index("--max-seq-length") + 1] == "4096"
+    assert two[1:3] == ["-m", "torch.distributed.run"] and "--nproc_per_node=2" in two and "--gradient-checkpointing" in two
+    zerolab, trl = (r for r in harness.SUITES["trl-7b"][:2])
+    assert (zerolab.system, trl.system) == ("zerolab", "trl") and zerolab.micro_batch == trl.micro_batch == 2
+
+
+@pytest.mark.slow
+def test_trl_trains_zerolabs_rows_through_the_harness_on_cpu(harness, tmp_path):
+    """zerolab's job and TRL's SFTTrainer as the cpu-smoke suite runs them (tiny model, 4 steps, 2 packed
+    rows of at most 1,024 tokens a step): both rows are complete, and TRL's packed dataset holds
+    exactly the rows, tokens and loss targets zerolab's data report counts. Their steps' tokens are
+    not the same tokens: zerolab packs best fit in each epoch's random order, TRL best fit decreasing
+    over the whole set and then shuffles the packed sequences, so the same rows group differently;
+    both fill their sequences, so a step's tokens agree within 5%. 45-70 s on a shared 2-core machine."""
+    runs = {r.system: r for r in harness.SUITES["cpu-smoke"] if r.system in ("zerolab", "trl")}
+    ws = harness.Workspace(tmp_path)
+    ws.prepare({"tiny"})
+    with open(tmp_path / "runs.log", "a") as log:
+        rows = {system: harness.execute(run, ws, log)[0] for system, run in runs.items()}
+    ours, theirs = rows["zerolab"], rows["trl"]
+    assert ours["status"] == theirs["status"] == "ok", (tmp_path / "runs.log").read_text()[-3000:]
+    assert theirs["attn"] == "sdpa" and theirs["command"].startswith("python bench/trl_sft.py")
+    for column in ("train_rows", "train_tokens", "train_target_tokens"):
+        assert ours[column] == theirs[column] > 0, column
+    assert ours["train_rows"] < 4198  # the rows longer than 1,024 tokens are left out by both
+    for r in (ours, theirs):
+        assert 0 < r["tokens_per_s_per_gpu"] and 0 < r["step_s"] and 0 < r["time_to_first_step_s"] < r["wall_s"]
+        assert 0.9 * 2 * 1024 < r["tokens_per_step"] <= 2 * 1024, r
+    assert abs(theirs["tokens_per_step"] / ours["tokens_per_step"] - 1) < 0.05
+    harness.write_csv(tmp_path / "benchmark.csv", list(rows.values()), harness.COLUMNS)
+    table = harness.markdown_table(harness.read_csv([Path(tmp_path / "benchmark.csv")]))
+    trl_line = next(line for line in table.splitlines() if line.startswith("| trl-tiny"))
+    assert "| 1.00× · — · 1.00× |" in trl_line
