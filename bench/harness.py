@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 SYSTEMS = ("zerolab", "zerolab-torchrun", "seeds", "plain", "trl")
 SHAPE_IDS = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B", "qwen2.5-7b": "Qwen/Qwen2.5-7B", "qwen2.5-14b": "Qwen/Qwen2.5-14B"}
 
-COLUMNS = ["run", "system", "shape", "gpus", "stage", "offload", "variant", "micro_batch", "checkpointing", "attn", "steps",
+COLUMNS = ["run", "system", "shape", "gpus", "stage", "offload", "variant", "micro_batch", "checkpointing", "attn", "quantization", "steps",
            "tokens_per_s_per_gpu", "step_s", "mfu", "tokens_per_step", "gpu_peak_allocated_gib", "gpu_peak_reserved_gib",
            "host_rss_peak_gib", "node_used_peak_gib", "time_to_first_step_s", "wall_s", "train_rows", "train_tokens",
            "train_target_tokens", "status", "device", "command"]
@@ -75,6 +75,10 @@ class Run:
     """zerolab-torchrun: ``memory`` (the allocator's history at the steps' peak) and ``rss`` (the process's
     resident memory by phase), printed to runs.log."""
     max_seq_length: int = 4096
+
+    def quantization(self) -> str:
+        """The base's ``model.quantization`` among the overrides (``none`` without it)."""
+        return next((o.split("=", 1)[1] for o in reversed(self.overrides) if o.startswith("model.quantization=")), "none")
 
     @property
     def name(self) -> str:
@@ -268,6 +272,13 @@ SUITES: dict[str, list[Run]] = {
     # 4k rows per step, medians of three; the first pair are first launches where ZEROLAB_CACHE is fresh.
     "trl-7b": _suite_trl("qwen2.5-7b", micro_batch=2, steps=12, timeout_s=300),
     "trl-0.5b": _suite_trl("qwen2.5-0.5b", micro_batch=4, steps=20, timeout_s=180),
+    # QLoRA against TRL's QLoRA on the same nf4 base and rows: one packed 4k row with gradient checkpointing
+    # (the quantized-base memory figure's setting), zerolab at ZeRO-2, alternating, twice each.
+    "trl-qlora-7b": [r for rep in (1, 2) for r in (
+        Run("zerolab", "qwen2.5-7b", stage=2, steps=12, window=6, checkpointing=True, variant=f"nf4-mb1-ckpt-rep{rep}", timeout_s=300,
+            overrides=("model.quantization=nf4",)),
+        Run("trl", "qwen2.5-7b", steps=12, window=6, checkpointing=True, attn="auto", variant=f"nf4-mb1-ckpt-rep{rep}", timeout_s=300,
+            overrides=("model.quantization=nf4",)))],
     # CPU smoke test of the harness itself (tiny model, no GPU): every system runs a few steps.
     "cpu-smoke": [Run(s, "tiny", micro_batch=2, steps=4, window=2, checkpointing=s == "seeds", attn="sdpa", kernels="none",
                       timeout_s=600) for s in SYSTEMS],
@@ -348,7 +359,7 @@ def command(run: Run, ws: Workspace, result: Path) -> list[str]:
         return [*torchrun, str(REPO / "bench" / "seeds_recipe.py"), *common, "--stage", str(run.stage)]
     if run.system == "trl":  # one GPU: started as TRL's users start it, without a launcher
         trl = [str(REPO / "bench" / "trl_sft.py"), *common, "--attn", run.attn, "--kernels", run.kernels,
-               *(["--gradient-checkpointing"] if run.checkpointing else [])]
+               "--quantization", run.quantization(), *(["--gradient-checkpointing"] if run.checkpointing else [])]
         return [sys.executable, *trl] if run.gpus == 1 else [*torchrun, *trl]
     return [*torchrun, str(REPO / "bench" / "torchrun_loop.py"), "--mode", "plain", *common,
             *(["--gradient-checkpointing"] if run.checkpointing else [])]
@@ -394,7 +405,8 @@ def execute(run: Run, ws: Workspace, log: Any) -> tuple[dict[str, Any], dict[str
     cmd = command(run, ws, result.with_suffix(".json") if run.system == "zerolab" else result)
     row: dict[str, Any] = {"run": run.name, "system": run.system, "shape": run.shape, "gpus": run.gpus, "stage": run.stage,
                            "offload": run.offload, "variant": run.variant, "micro_batch": run.micro_batch,
-                           "checkpointing": run.checkpointing, "attn": run.attn, "steps": run.steps, "command": _shown(cmd, ws)}
+                           "checkpointing": run.checkpointing, "attn": run.attn, "quantization": run.quantization(), "steps": run.steps,
+                           "command": _shown(cmd, ws)}
     env = subprocess_env()
     if run.system == "zerolab-torchrun":  # the allocator settings zerolab's workers get
         from zerolab.cluster import CUDA_ALLOC_CONF
@@ -479,10 +491,10 @@ def ratios(rows: list[dict[str, Any]]) -> None:
             ok = r.get("status") == "ok" and b
             r[f"vs_{name}"] = f"{float(r['tokens_per_s_per_gpu']) / b:.2f}" if ok else ""
 
-    def same_work(r: dict[str, Any]) -> tuple[str, int, int]:
-        return r["shape"], int(r["gpus"]), int(r["micro_batch"])
+    def same_work(r: dict[str, Any]) -> tuple[str, int, int, str, str]:
+        return r["shape"], int(r["gpus"]), int(r["micro_batch"]), str(r.get("checkpointing")), r.get("quantization") or "none"
 
-    trl: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+    trl: dict[tuple[str, int, int, str, str], list[dict[str, Any]]] = {}
     for r in rows:
         if r.get("status") == "ok" and r["system"] == "trl":
             trl.setdefault(same_work(r), []).append(r)

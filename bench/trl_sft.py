@@ -15,7 +15,10 @@ tokens (``packing=True, packing_strategy="bfd"``) and padding-free batches (``pa
 ``--micro-batch`` packed sequences per step, which is zerolab's tokens per step; Liger's layer
 kernels (``use_liger_kernel``) on a GPU where ``liger_kernel`` imports, with TRL's own fused LM head
 (always on in TRL 1.x: the loss chunk by chunk, no full logits; TRL turns Liger's fused loss off
-for it); torch's fused AdamW; bf16 (fp32 on CPU, as the other CPU smoke runs). Attention
+for it); torch's fused AdamW; bf16 (fp32 on CPU, as the other CPU smoke runs). With
+``--quantization nf4|int8`` the base loads quantized as TRL's and peft's QLoRA guides do
+(``BitsAndBytesConfig``: nf4 with double quantization and bf16 compute, packed bytes in uint8;
+LLM.int8()), and SFTTrainer prepares it itself (peft's ``prepare_model_for_kbit_training``). Attention
 (``--attn auto``): ``flash_attention_2`` where the flash-attn package imports, else PyTorch's
 varlen FlashAttention (zerolab's ``varlen_attention_forward``, registered with transformers'
 ``AttentionInterface`` after its self-check on this GPU), else ``sdpa``; the result names the one used.
@@ -71,6 +74,16 @@ def _flash_attn_imports() -> bool:
     return True
 
 
+def qlora_config(quantization: str, dtype: torch.dtype):
+    """The ``BitsAndBytesConfig`` of TRL's and peft's QLoRA examples: nf4, double quantization,
+    ``dtype`` compute, bitsandbytes' default (uint8) storage; or LLM.int8()."""
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)
+
+
 def trained_data(dataset) -> dict[str, int]:
     """Rows, tokens and loss targets of TRL's prepared (packed) dataset, read back from its columns."""
     import numpy as np
@@ -95,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attn", choices=ATTENTION, default="auto")
     p.add_argument("--kernels", choices=["auto", "none"], default="auto", help="auto: Liger's layer kernels where they run")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--quantization", choices=["none", "nf4", "int8"], default="none", help="a quantized base (QLoRA)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
 
@@ -116,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r for r in tokenized_rows(args.data, args.model) if len(r[0]) <= args.max_seq_length]
     dataset = Dataset.from_dict({"input_ids": [ids.tolist() for ids, _ in rows], "labels": [lab.tolist() for _, lab in rows]})
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if cuda else torch.float32, attn_implementation=attn)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    quantized = {"device_map": {"": device}, "quantization_config": qlora_config(args.quantization, dtype)} if args.quantization != "none" else {}
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation=attn, **quantized)
     model.config.use_cache = False
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM")
     meter = StepMeter(device)
@@ -136,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     trainer = MeteredTrainer(model=model, args=training_args, train_dataset=dataset, processing_class=tokenizer, peft_config=lora,
                              callbacks=[Meter()])
     total, trainable = model_counts(trainer.model)
-    logger.info("TRL %s: attention %s, Liger layer kernels %s, %d packed sequences", importlib.metadata.version("trl"), attn,
-                "on" if liger else "off", len(trainer.train_dataset))
+    logger.info("TRL %s: attention %s, Liger layer kernels %s, base %s, %d packed sequences", importlib.metadata.version("trl"), attn,
+                "on" if liger else "off", args.quantization, len(trainer.train_dataset))
     trainer.train()
     result = meter.result(args.window)
     result.update(trained_data(trainer.train_dataset), attn=attn, total_params=total, trainable_params=trainable,
