@@ -18,6 +18,7 @@ import torch
 
 from conftest import REPO, rows_of, tiny_overrides
 from zerolab import adapters, ds_config, memory, models
+from zerolab.checkpoint_files import CHECKPOINT_FILES_KEY, checkpoint_file_sizes
 from zerolab.config import AdapterSpec, load_config
 from zerolab.memory import GIB, Fit, Limits, MemoryPreflightError, ModelShape, Option
 
@@ -218,6 +219,120 @@ def test_a_gpu_process_reading_the_whole_checkpoint_does_so_before_its_first_ste
     assert lowered("deepspeed.stage=2") == 0
     assert lowered("deepspeed.stage=3", "deepspeed.offload_optimizer=true", "deepspeed.offload_param=true") == 0
     assert lowered("deepspeed.stage=3", gpu=False) == 0
+
+
+def _write_checkpoint(folder: Path, shards: list[dict[str, torch.Tensor]], **config: object) -> tuple[int, ...]:
+    """A checkpoint folder of ``shards`` (safetensors files, with an index where there are several)
+    and a Qwen2 config of the SMALL shape; returns the files' sizes on disk, in the index's order."""
+    from safetensors.torch import save_file
+    from transformers import Qwen2Config
+
+    folder.mkdir(parents=True)
+    Qwen2Config(**{**SMALL, "tie_word_embeddings": True, **config}).save_pretrained(folder)
+    names = ["model.safetensors"] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, tensors in zip(names, shards):
+        save_file(tensors, str(folder / name))
+    if len(shards) > 1:
+        weight_map = {key: name for name, tensors in zip(names, shards) for key in tensors}
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return tuple((folder / name).stat().st_size for name in names)
+
+
+def test_a_lazy_load_holds_the_largest_checkpoint_file_on_top_of_the_process_before_it(tmp_path):
+    """Under ZeRO 0-2 on a GPU a checkpoint in the training dtype loads lazily: transformers maps
+    each file, a file's pages stay resident from its first tensor's copy to the GPU until its last
+    is released, when the file is unmapped (the 1.5B run on one H100 peaked at what the process held
+    before the load plus its one 2.875 GiB file: 3.93 GiB against 2.88 predicted by a share of the
+    whole checkpoint). So the load phase is the fitted pre-load baseline + the data shard + the
+    largest file, whose size the model config carries where the files are local."""
+    from zerolab.config import ModelSpec
+
+    bf16 = torch.bfloat16
+    shards = [{"model.embed_tokens.weight": torch.zeros(2048, 128, dtype=bf16)},
+              {"model.layers.0.mlp.gate_proj.weight": torch.zeros(352, 128, dtype=bf16),
+               "model.layers.0.mlp.up_proj.weight": torch.zeros(352, 128, dtype=bf16),
+               "model.layers.0.mlp.down_proj.weight": torch.zeros(128, 352, dtype=bf16)},
+              {"model.norm.weight": torch.zeros(128, dtype=bf16)}]
+    sizes = _write_checkpoint(tmp_path / "sharded", shards, dtype="bfloat16")
+    config = models.load_model_config(ModelSpec(name_or_path=str(tmp_path / "sharded")))
+    assert getattr(config, CHECKPOINT_FILES_KEY) == sizes
+    assert ModelShape.from_config(config).checkpoint_file_bytes == sizes
+
+    def est(*overrides: str):
+        return memory.estimate(load_config(None, ["scaling.use_gpu=true", "scaling.num_workers=2", "adapter.method=lora", *overrides]), config)
+
+    cal = memory.DEFAULT_CALIBRATION
+    zero2 = est("deepspeed.stage=2")
+    assert zero2.host_worker["model loading"] == max(sizes) == sizes[0]
+    dataset = zero2.host_worker["dataset shard"]
+    assert zero2.host_worker_phases["model load"] == cal.host_gpu_before_load_bytes + dataset + max(sizes)
+    assert zero2.host_other_worker_phases["model load"] == zero2.host_worker_phases["model load"]
+    assert zero2.host_worker_phases["training"] == cal.host_process_gpu_bytes + dataset + zero2.host_worker["offloaded optimizer"]
+    # Converting to fp32 goes through the device map (every file mapped until the end); ZeRO-3's
+    # rank 0 reads the whole checkpoint; CPU workers hold it whole: none of them is a lazy load.
+    whole = int(ModelShape.from_config(config).num_params() * 2 * cal.host_load_factor)
+    assert est("deepspeed.stage=2", "train.precision=fp32").host_worker["model loading"] == whole
+    assert est("deepspeed.stage=3").host_worker["model loading"] == whole
+    cpu = memory.estimate(load_config(None, ["scaling.use_gpu=false", "train.precision=bf16", "deepspeed.stage=2"]), config)
+    assert cpu.host_worker["model loading"] == whole
+
+    # One file: the whole checkpoint. An index naming a file that is not there: sizes unknown.
+    single = _write_checkpoint(tmp_path / "single", [{k: v for shard in shards for k, v in shard.items()}], dtype="bfloat16")
+    assert getattr(models.load_model_config(ModelSpec(name_or_path=str(tmp_path / "single"))), CHECKPOINT_FILES_KEY) == single
+    (tmp_path / "sharded" / "model-00002-of-00003.safetensors").unlink()
+    assert checkpoint_file_sizes(str(tmp_path / "sharded")) is None
+    assert not hasattr(models.load_model_config(ModelSpec(name_or_path=str(tmp_path / "sharded"))), CHECKPOINT_FILES_KEY)
+
+
+def test_checkpoint_sizes_of_a_hub_id_come_from_the_local_hugging_face_cache(tmp_path, monkeypatch):
+    """A hub id whose files were downloaded before is read from the Hugging Face cache (the
+    snapshot its ``refs/main`` names), with no network; one that is not there has no sizes."""
+    import huggingface_hub.constants
+
+    commit = "0" * 40
+    repo = tmp_path / "hub" / "models--org--tiny-bf16"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    sizes = _write_checkpoint(repo / "snapshots" / commit, [{"model.embed_tokens.weight": torch.zeros(2048, 128)},
+                                                            {"model.norm.weight": torch.zeros(128)}])
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert checkpoint_file_sizes("org/tiny-bf16") == sizes
+    assert checkpoint_file_sizes("org/tiny-bf16", revision="other") is None
+    assert checkpoint_file_sizes("org/not-downloaded") is None
+
+
+def test_where_the_files_are_not_at_hand_the_largest_is_what_the_saving_release_writes_by_default(tmp_path):
+    """Without the files (a hub id not downloaded yet) the largest file is taken from the layout
+    ``save_pretrained`` gives the shape at the default shard size of the transformers release named
+    in its config: 10 GB before 4.35, 5 GB to 4.x (Qwen2.5's 7B: four files, the largest 4.59 GiB),
+    50 GB from 5.0 and where no release is named, i.e. the whole checkpoint up to 50 GB. The layout
+    is the one transformers writes (checked on a small model saved in 300 kB shards)."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    from zerolab.config import ModelSpec
+    from zerolab.memory.shapes import GB, checkpoint_layout, default_shard_bytes
+
+    assert [default_shard_bytes(v) for v in ("4.34.1", "4.35.0", "4.57.1", "5.0.0", "5.17.0", None, "dev")] == [
+        10 * GB, 5 * GB, 5 * GB, 50 * GB, 50 * GB, 50 * GB, 50 * GB]
+    seven_b = models.load_model_config(ModelSpec(name_or_path="Qwen/Qwen2.5-7B"))  # the known shape, offline
+    shape = ModelShape.from_config(seven_b)
+    assert shape.checkpoint_file_bytes is None and shape.checkpoint_shard_bytes == 5 * GB
+    assert [round(b / GIB, 2) for b in checkpoint_layout(shape, 2, 5 * GB)] == [4.54, 4.59, 4.03, 1.02]
+    assert shape.largest_checkpoint_file(2) == max(checkpoint_layout(shape, 2, 5 * GB))
+    unnamed = ModelShape.from_config({**QWEN25_7B, "dtype": "bfloat16"})
+    assert unnamed.largest_checkpoint_file(2) == unnamed.num_params() * 2  # 15.2 GB: one file
+    older = ModelShape.from_config({**QWEN25_7B, "transformers_version": "4.31.0"})
+    assert older.largest_checkpoint_file(2) == max(checkpoint_layout(older, 2, 10 * GB)) > 5 * GB
+
+    for config in (Qwen2Config(**SMALL, tie_word_embeddings=True), LlamaConfig(**SMALL, attention_bias=True, mlp_bias=True)):
+        folder = tmp_path / config.model_type
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder, max_shard_size=300_000)
+        saved = []
+        for name in sorted(p.name for p in folder.glob("*.safetensors")):
+            with safe_open(str(folder / name), "pt") as f:
+                saved.append(sum(math.prod(f.get_slice(k).get_shape()) * 2 for k in f.keys()))
+        assert len(saved) > 4 and checkpoint_layout(ModelShape.from_config(config), 2, 300_000) == tuple(saved)
 
 
 def test_zero1_offload_held_out_run_at_the_micro_batches_it_ran():
@@ -502,8 +617,9 @@ def test_a_checkpoint_in_another_dtype_is_converted_on_its_way_to_the_device(tmp
     """A bf16 checkpoint trained in fp32 (AdaLoRA) was converted whole on the host before moving to
     the GPU: 43.6 GiB of RSS per worker for 7B, 16.0 GiB converted tensor by tensor on the way
     (2 × H200 / H100, docs/calibration/heldout.md). The meta device stands in for the GPU: the
-    converting load goes through transformers' device map, the same dtype keeps the lazy load whose
-    host pages the estimate's ``host_load_factor_gpu`` was fitted to."""
+    converting load goes through transformers' device map, the same dtype keeps the lazy load, which
+    holds one file's pages at a time (with no file sizes known and no saving release named, the
+    whole checkpoint is taken for one file)."""
     from transformers import AutoConfig, Qwen2Config, Qwen2ForCausalLM
 
     from zerolab.config import ModelSpec
@@ -529,7 +645,7 @@ def test_a_checkpoint_in_another_dtype_is_converted_on_its_way_to_the_device(tmp
     saved_bf16 = {**QWEN25_7B, "dtype": "bfloat16"}
     est = {e: memory.estimate(gpu_cfg("deepspeed.stage=0", f"train.precision={e}"), saved_bf16) for e in ("bf16", "fp32")}
     file_bytes = 7_615_616_512 * 2  # the 7B shape's base weights in its bf16 files
-    assert est["bf16"].host_worker["model loading"] == int(file_bytes * memory.DEFAULT_CALIBRATION.host_load_factor_gpu)
+    assert est["bf16"].host_worker["model loading"] == file_bytes
     assert est["fp32"].host_worker["model loading"] == int(file_bytes * memory.DEFAULT_CALIBRATION.host_load_factor)
 
 
