@@ -400,6 +400,54 @@ def test_reserved_memory_adds_the_largest_block_the_allocator_keeps_cached():
     assert cpu.device_cached == {} and cpu.device_reserved == cpu.device_peak
 
 
+def test_deepspeeds_own_gradient_norm_leaves_a_float64_copy_of_the_largest_gradient_cached():
+    """Where DeepSpeed's ZeRO 1-2 takes the gradient norm itself (optimizer offload, or not bf16)
+    it casts each gradient slice to float64 (``get_norm_dtype``, float64 on CPU and CUDA): 8 bytes
+    × the largest slice, the 0.5B embeddings' 136M elements, 1.014 GiB. Under offload it is made on
+    DeepSpeed's reduction stream, whose blocks the main stream never reuses, so it adds to the fp32
+    logits' block: 0.5B full ZeRO-1 + offload on 2 GPUs held 1.556 GiB beyond its peak (0.543 +
+    1.014), where 0.543 was predicted (reserved −17.5%). Without offload, in fp32, it comes just
+    before the step's larger flat gradient copy, which cannot reuse its range: 0.5B full ZeRO-2 in
+    fp32 on one GPU held 2.408 beyond its peak (1.014 + 1.840; −7.5% before). In bf16 without
+    offload zerolab's one-kernel norm makes no copy."""
+    from deepspeed.runtime.zero.utils import get_norm_dtype
+
+    assert get_norm_dtype() == torch.float64
+    embeddings = 151936 * 896
+
+    def est(*overrides: str, workers: int = 1):
+        return memory.estimate(load_config(None, ["adapter.method=full", "scaling.use_gpu=true", f"scaling.num_workers={workers}",
+                                                  "model.gradient_checkpointing=false", "train.micro_batch_size=8",
+                                                  "data.max_seq_length=120", "data.packing=true", *overrides]), QWEN25_05B)
+
+    offload = est("deepspeed.stage=1", "deepspeed.offload_optimizer=true", workers=2)
+    logits = 4 * 151936 * 8 * 120
+    assert offload.device_cached["fp32 logits"] == logits
+    assert offload.device_cached["float64 norm copy + the largest other block"] == 8 * embeddings + logits
+    assert offload.device_reserved - offload.device_peak == 8 * embeddings + logits
+    # The held-out run's peak (4.08 GiB) is its forward pass; the norm's phase is far below it.
+    assert offload.device_peak_phase == "forward/backward" and offload.device_phases["gradient norm"] < offload.device_peak
+
+    fp32 = est("deepspeed.stage=2", "train.precision=fp32")
+    T = fp32.trainable_params
+    assert fp32.device_cached["float64 norm copy (+ a larger flat gradient copy)"] == 8 * embeddings + 4 * T
+    assert fp32.device_reserved - fp32.device_peak == 8 * embeddings + 4 * T
+    # On 2 GPUs the flat copy (⌈T/2⌉ fp32 elements) fits in the norm copy's range: the larger alone.
+    two = est("deepspeed.stage=2", "train.precision=fp32", workers=2)
+    assert two.device_cached["float64 norm copy (+ a larger flat gradient copy)"] == 8 * embeddings
+
+    bf16 = est("deepspeed.stage=2")
+    assert "gradient norm" not in bf16.device_phases
+    assert not any("norm" in name for name in bf16.device_cached)
+    assert not any("norm" in name for name in est("deepspeed.stage=0", "train.precision=fp32").device_cached)
+    assert not any("norm" in name for name in est("deepspeed.stage=3", "deepspeed.offload_optimizer=true").device_cached)
+    # LoRA under offload: its largest adapter matrix, a few MiB, decides nothing.
+    lora = est("adapter.method=lora", "deepspeed.stage=2", "deepspeed.offload_optimizer=true", "model.kernels=liger")
+    cfg = load_config(None, ["adapter.method=lora"])
+    largest = max(p.numel for p in memory.parameter_inventory(ModelShape.from_config(QWEN25_05B), cfg.adapter) if p.trainable)
+    assert lora.device_cached["float64 norm copy + the largest other block"] == 8 * largest < 2**20
+
+
 def test_parameter_offload_caches_gather_buffers_in_proportion_to_the_largest_parameter():
     """ZeRO-3 with parameter offload keeps the largest gathered parameter's buffers cached (its
     partition from the host and its gathered whole): 1.5 × the embeddings' bytes, 0.39 GiB on the
