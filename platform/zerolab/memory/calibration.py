@@ -74,8 +74,9 @@ class Calibration:
     default job and the DoRA ZeRO-3 NER job on the 2-core machine (docs/calibration/heldout.md)."""
     host_process_gpu_bytes: int = 2105 * MIB
     """The same on a GPU worker: adds the CUDA runtime and the host side of the CUDA context, cuBLAS,
-    cuDNN and NCCL (fitted to LoRA runs of the 0.5B and 7B shapes, whose training phase it decides
-    for the 0.5B shape)."""
+    cuDNN and NCCL (fitted to LoRA runs of the 0.5B and 7B shapes together with the lazy load's
+    former share of the checkpoint). It is the training phase's baseline, the peak with optimizer
+    offload and under ZeRO-3; a lazy load's phase has its own (``host_gpu_before_load_bytes``)."""
     host_gpu_before_load_bytes: int = 1425 * MIB
     """What a GPU worker holds before it reads a checkpoint that loads lazily (ZeRO 0-2, the
     checkpoint in the training dtype), besides its data shard: the process, its imports and the host
