@@ -49,9 +49,14 @@ try:
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
 
-SHAPES = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B", "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B", "qwen2.5-7b": "Qwen/Qwen2.5-7B",
-          "qwen2.5-14b": "Qwen/Qwen2.5-14B", "tiny": None}
+SHAPES = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B", "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B", "qwen2.5-3b": "Qwen/Qwen2.5-3B",
+          "qwen2.5-7b": "Qwen/Qwen2.5-7B", "qwen2.5-14b": "Qwen/Qwen2.5-14B", "tiny": None}
 """Calibration shape -> the KNOWN_CONFIGS entry it copies (tiny: the built-in model itself)."""
+
+SHARD_SIZE = 5 * 10**9
+"""``max_shard_size`` of the random-init models (5 GB, the hub's files of transformers 4.35-4.x;
+transformers 5 saves up to 50 GB in one file): the 0.5B and 1.5B shapes are one file each, the 3B
+shape two (4.62 and 1.13 GiB), the 7B shape four (the largest 4.59 GiB)."""
 
 COLUMNS = ["case", "device", "status", "seconds", "pred_gpu_alloc_gib", "meas_gpu_alloc_gib", "err_gpu_alloc_pct",
            "pred_gpu_reserved_gib", "meas_gpu_reserved_gib", "err_gpu_reserved_pct", "pred_host_workers_gib",
@@ -248,6 +253,19 @@ CASES: dict[str, list[Case]] = {
         Case("qwen2.5-0.5b", "dora", 2, micro_batch=8, seq_len=256, packing=False, steps=4),
         Case("qwen2.5-0.5b", "adalora", 0, micro_batch=4, seq_len=512, data="mix", precision="fp32", steps=4),
     ],
+    # Held-out set I, after the lazy load's largest file and DeepSpeed's float64 norm copy (fitted to
+    # every stored GPU row and to set A's and D's reserved misses): one H100, about 6 minutes, fitted
+    # to nothing. A shape not run before whose checkpoint is two files (3B: 4.62 and 1.13 GiB, so the
+    # largest file, not the whole, is on the host at the load), full ZeRO-1 with optimizer offload on
+    # one GPU (the norm copy on the reduction stream beside the fp32 logits), full ZeRO-1 in fp32
+    # (the norm copy, then the larger flat copy; a converting load) and DoRA at ZeRO-1 (a lazy
+    # single-file load that decides the host figure).
+    "held-out-i": [
+        Case("qwen2.5-3b", "lora", 2, micro_batch=4, seq_len=256, steps=3),
+        Case("qwen2.5-0.5b", "full", 1, "optimizer", micro_batch=8, seq_len=128, packing=False, steps=3),
+        Case("qwen2.5-0.5b", "full", 1, micro_batch=4, seq_len=256, precision="fp32", steps=3),
+        Case("qwen2.5-0.5b", "dora", 1, micro_batch=8, seq_len=512, packing=False, data="mix", steps=3),
+    ],
     "tiny": [Case("tiny", "lora", 2, workers=2, micro_batch=32, seq_len=512, gpu=False, steps=4),
              Case("tiny", "lora", 3, "all", workers=2, micro_batch=8, seq_len=128, gpu=False, steps=4)],
 }
@@ -331,7 +349,7 @@ def model_path(shape: str, root: Path | None = None) -> str:
 
 
 def random_init_model(shape: str, root: Path) -> Path:
-    """Build once (bf16, 5 GB safetensors shards like hub checkpoints) the random-init model of
+    """Build once (bf16, safetensors shards of :data:`SHARD_SIZE` like hub checkpoints) the random-init model of
     ``shape`` with the built-in tiny model's tokenizer and chat template; its token ids all fall
     inside the real vocabulary, whose full size keeps the logits realistic. Offline."""
     import torch
@@ -351,7 +369,7 @@ def random_init_model(shape: str, root: Path) -> Path:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     partial = root / f".random-{shape}.partial"
     shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial, max_shard_size="5GB")
+    model.save_pretrained(partial, max_shard_size=SHARD_SIZE)
     tokenizer.save_pretrained(partial)
     (partial / "complete").write_text("")
     del model
@@ -400,12 +418,20 @@ def resolved_overrides(overrides: list[str]) -> list[str]:
 
 
 def shape_model_config(shape: str) -> Any:
-    """The Hugging Face config of a benchmark shape, without its files (the tiny model's is built)."""
+    """The Hugging Face config of a benchmark shape, without its files (the tiny model's is built),
+    with the sizes of the weights files :func:`random_init_model` saves for it (bf16, shards of
+    :data:`SHARD_SIZE`), as the runs' own preflight read them."""
+    from zerolab.checkpoint_files import CHECKPOINT_FILES_KEY
     from zerolab.config import load_config
+    from zerolab.memory import ModelShape
+    from zerolab.memory.shapes import checkpoint_layout
     from zerolab.models import KNOWN_CONFIGS, load_model_config
 
     shape_id = SHAPES[shape]
-    return dict(model_type="qwen2", dtype="bfloat16", **KNOWN_CONFIGS[shape_id]) if shape_id else load_model_config(load_config(None, []).model)
+    if not shape_id:
+        return load_model_config(load_config(None, []).model)
+    config = dict(model_type="qwen2", dtype="bfloat16", **KNOWN_CONFIGS[shape_id])
+    return {**config, CHECKPOINT_FILES_KEY: checkpoint_layout(ModelShape.from_config(config), 2, SHARD_SIZE)}
 
 
 def predict_overrides(overrides: list[str], shape: str, calibration: Any = None, data: Any = None) -> dict[str, float]:
@@ -581,12 +607,11 @@ def fit_calibration(rows: list[dict[str, str]]) -> dict[str, float]:
     (ZeRO 0-2) and ``reserved_factor_zero3`` (without parameter offload) are the medians of measured
     reserved / allocated over the rows where the share is the larger; ``reserved_param_offload_factor``
     the median of measured (reserved − allocated) / the largest gathered parameter's bytes over the
-    rows with parameter offload where those buffers are the largest cached block. On GPU the host
-    baseline of a worker and the share of the checkpoint resident while ZeRO 0-2 load it
-    (``host_process_gpu_bytes``, ``host_load_factor_gpu``) are fitted together by least squares
-    over the GPU rows at ZeRO 0-2 without offload, where a prediction is linear in both; on CPU the
-    rest of a worker's baseline beyond its measured imports (``host_process_cpu_bytes``) is the
-    current value plus the median residual per worker."""
+    rows with parameter offload where those buffers are the largest cached block. On GPU what a
+    worker holds before a lazy load (``host_gpu_before_load_bytes``) is the smallest value that
+    leaves no row more than 5% under (:func:`_fit_gpu_host`); on CPU the rest of a worker's
+    baseline beyond its measured imports (``host_process_cpu_bytes``) is the current value plus the
+    median residual per worker."""
     from zerolab.memory import DEFAULT_CALIBRATION
 
     ok = [r for r in rows if r.get("status") == "ok"]
@@ -622,12 +647,13 @@ def fit_calibration(rows: list[dict[str, str]]) -> dict[str, float]:
     return fitted
 
 
-def _estimate_of(row: dict[str, str]) -> Any:
+def _estimate_of(row: dict[str, str], calibration: Any = None) -> Any:
     """The estimate of ``row``'s run from its overrides (not data-aware)."""
     from zerolab.config import load_config
-    from zerolab.memory import estimate
+    from zerolab.memory import DEFAULT_CALIBRATION, estimate
 
-    return estimate(load_config(None, estimate_overrides(json.loads(row["overrides"]))), shape_model_config(row["shape"]))
+    return estimate(load_config(None, estimate_overrides(json.loads(row["overrides"]))), shape_model_config(row["shape"]),
+                    calibration=calibration or DEFAULT_CALIBRATION)
 
 
 def _decided_by_share(row: dict[str, str]) -> bool:
@@ -648,34 +674,32 @@ def _param_offload(row: dict[str, str]) -> bool:
 
 
 def _fit_gpu_host(rows: list[dict[str, str]]) -> dict[str, float]:
-    """Least squares for (baseline per worker, load factor) on ZeRO 0-2 rows without offload."""
-    from zerolab.memory import DEFAULT_CALIBRATION, GIB
+    """``host_gpu_before_load_bytes``: the smallest value with which no GPU row whose workers load
+    their checkpoint lazily (ZeRO 0-2 in its dtype) is predicted more than 5% under its measured
+    host figure. Each such row's prediction is the larger of its load phase, linear in the constant
+    (once per worker), and the phases that do not depend on it, so each row bounds it from below."""
+    from zerolab.memory import DEFAULT_CALIBRATION, MIB
 
-    def overrides_of(r: dict[str, str]) -> list[str]:
-        return json.loads(r["overrides"])
+    zero = dataclasses.replace(DEFAULT_CALIBRATION, host_gpu_before_load_bytes=0)
+    unit = dataclasses.replace(zero, host_gpu_before_load_bytes=MIB)
+    bounds = []
+    for r in rows:
+        est = _estimate_of(r, zero)
+        if est.host_worker_phases["model load"] == _estimate_of(r, unit).host_worker_phases["model load"]:
+            continue  # no lazy load: the constant does not enter
+        target = 0.95 * float(r["meas_host_workers_gib"]) * 1024**3
+        workers, value = est.world_size, 0.0
+        while _host_with(est, workers, value) < target:
+            value += max((target - _host_with(est, workers, value)) / workers, MIB)
+        bounds.append(value)
+    return {"host_gpu_before_load_bytes": max(bounds)} if bounds else {}
 
-    fit_rows = [r for r in rows if "deepspeed.stage=3" not in overrides_of(r) and "deepspeed.offload_optimizer=true" not in overrides_of(r)]
-    if len({r["shape"] for r in fit_rows}) < 2:
-        return {}
-    cal = DEFAULT_CALIBRATION
-    # Each prediction is a + workers·Δbase + load·Δfactor; load = the change for a unit change of the factor.
-    unit = dataclasses.replace(cal, host_load_factor_gpu=cal.host_load_factor_gpu + 1.0)
-    xs, ys = [], []
-    for r in fit_rows:
-        pred = predict_overrides(overrides_of(r), r["shape"])["pred_host_workers_gib"]
-        load = predict_overrides(overrides_of(r), r["shape"], calibration=unit)["pred_host_workers_gib"] - pred
-        xs.append((float(r["workers"]), load))
-        ys.append(float(r["meas_host_workers_gib"]) - pred)
-    sww = sum(w * w for w, _ in xs)
-    swl = sum(w * ld for w, ld in xs)
-    sll = sum(ld * ld for _, ld in xs)
-    swy = sum(w * y for (w, _), y in zip(xs, ys))
-    sly = sum(ld * y for (_, ld), y in zip(xs, ys))
-    det = sww * sll - swl * swl
-    if abs(det) < 1e-12:
-        return {}
-    d_base, d_factor = (sll * swy - swl * sly) / det, (sww * sly - swl * swy) / det
-    return {"host_process_gpu_bytes": cal.host_process_gpu_bytes + d_base * GIB, "host_load_factor_gpu": cal.host_load_factor_gpu + d_factor}
+
+def _host_with(est: Any, workers: int, before_load: float) -> float:
+    """``est.host_workers_before_save(workers)`` with ``before_load`` more in each worker's model-load phase."""
+    rank0 = max(v + (before_load if k == "model load" else 0) for k, v in est.host_worker_phases.items() if k != "checkpoint save")
+    other = max(v + (before_load if k == "model load" else 0) for k, v in est.host_other_worker_phases.items())
+    return rank0 + (workers - 1) * other
 
 
 def report(rows: list[dict[str, str]], *, fit: bool = True) -> str:

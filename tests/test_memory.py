@@ -18,6 +18,7 @@ import torch
 
 from conftest import REPO, rows_of, tiny_overrides
 from zerolab import adapters, ds_config, memory, models
+from zerolab.checkpoint_files import CHECKPOINT_FILES_KEY, checkpoint_file_sizes
 from zerolab.config import AdapterSpec, load_config
 from zerolab.memory import GIB, Fit, Limits, MemoryPreflightError, ModelShape, Option
 
@@ -220,6 +221,120 @@ def test_a_gpu_process_reading_the_whole_checkpoint_does_so_before_its_first_ste
     assert lowered("deepspeed.stage=3", gpu=False) == 0
 
 
+def _write_checkpoint(folder: Path, shards: list[dict[str, torch.Tensor]], **config: object) -> tuple[int, ...]:
+    """A checkpoint folder of ``shards`` (safetensors files, with an index where there are several)
+    and a Qwen2 config of the SMALL shape; returns the files' sizes on disk, in the index's order."""
+    from safetensors.torch import save_file
+    from transformers import Qwen2Config
+
+    folder.mkdir(parents=True)
+    Qwen2Config(**{**SMALL, "tie_word_embeddings": True, **config}).save_pretrained(folder)
+    names = ["model.safetensors"] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, tensors in zip(names, shards):
+        save_file(tensors, str(folder / name))
+    if len(shards) > 1:
+        weight_map = {key: name for name, tensors in zip(names, shards) for key in tensors}
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return tuple((folder / name).stat().st_size for name in names)
+
+
+def test_a_lazy_load_holds_the_largest_checkpoint_file_on_top_of_the_process_before_it(tmp_path):
+    """Under ZeRO 0-2 on a GPU a checkpoint in the training dtype loads lazily: transformers maps
+    each file, a file's pages stay resident from its first tensor's copy to the GPU until its last
+    is released, when the file is unmapped (the 1.5B run on one H100 peaked at what the process held
+    before the load plus its one 2.875 GiB file: 3.93 GiB against 2.88 predicted by a share of the
+    whole checkpoint). So the load phase is the fitted pre-load baseline + the data shard + the
+    largest file, whose size the model config carries where the files are local."""
+    from zerolab.config import ModelSpec
+
+    bf16 = torch.bfloat16
+    shards = [{"model.embed_tokens.weight": torch.zeros(2048, 128, dtype=bf16)},
+              {"model.layers.0.mlp.gate_proj.weight": torch.zeros(352, 128, dtype=bf16),
+               "model.layers.0.mlp.up_proj.weight": torch.zeros(352, 128, dtype=bf16),
+               "model.layers.0.mlp.down_proj.weight": torch.zeros(128, 352, dtype=bf16)},
+              {"model.norm.weight": torch.zeros(128, dtype=bf16)}]
+    sizes = _write_checkpoint(tmp_path / "sharded", shards, dtype="bfloat16")
+    config = models.load_model_config(ModelSpec(name_or_path=str(tmp_path / "sharded")))
+    assert getattr(config, CHECKPOINT_FILES_KEY) == sizes
+    assert ModelShape.from_config(config).checkpoint_file_bytes == sizes
+
+    def est(*overrides: str):
+        return memory.estimate(load_config(None, ["scaling.use_gpu=true", "scaling.num_workers=2", "adapter.method=lora", *overrides]), config)
+
+    cal = memory.DEFAULT_CALIBRATION
+    zero2 = est("deepspeed.stage=2")
+    assert zero2.host_worker["model loading"] == max(sizes) == sizes[0]
+    dataset = zero2.host_worker["dataset shard"]
+    assert zero2.host_worker_phases["model load"] == cal.host_gpu_before_load_bytes + dataset + max(sizes)
+    assert zero2.host_other_worker_phases["model load"] == zero2.host_worker_phases["model load"]
+    assert zero2.host_worker_phases["training"] == cal.host_process_gpu_bytes + dataset + zero2.host_worker["offloaded optimizer"]
+    # Converting to fp32 goes through the device map (every file mapped until the end); ZeRO-3's
+    # rank 0 reads the whole checkpoint; CPU workers hold it whole: none of them is a lazy load.
+    whole = int(ModelShape.from_config(config).num_params() * 2 * cal.host_load_factor)
+    assert est("deepspeed.stage=2", "train.precision=fp32").host_worker["model loading"] == whole
+    assert est("deepspeed.stage=3").host_worker["model loading"] == whole
+    cpu = memory.estimate(load_config(None, ["scaling.use_gpu=false", "train.precision=bf16", "deepspeed.stage=2"]), config)
+    assert cpu.host_worker["model loading"] == whole
+
+    # One file: the whole checkpoint. An index naming a file that is not there: sizes unknown.
+    single = _write_checkpoint(tmp_path / "single", [{k: v for shard in shards for k, v in shard.items()}], dtype="bfloat16")
+    assert getattr(models.load_model_config(ModelSpec(name_or_path=str(tmp_path / "single"))), CHECKPOINT_FILES_KEY) == single
+    (tmp_path / "sharded" / "model-00002-of-00003.safetensors").unlink()
+    assert checkpoint_file_sizes(str(tmp_path / "sharded")) is None
+    assert not hasattr(models.load_model_config(ModelSpec(name_or_path=str(tmp_path / "sharded"))), CHECKPOINT_FILES_KEY)
+
+
+def test_checkpoint_sizes_of_a_hub_id_come_from_the_local_hugging_face_cache(tmp_path, monkeypatch):
+    """A hub id whose files were downloaded before is read from the Hugging Face cache (the
+    snapshot its ``refs/main`` names), with no network; one that is not there has no sizes."""
+    import huggingface_hub.constants
+
+    commit = "0" * 40
+    repo = tmp_path / "hub" / "models--org--tiny-bf16"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    sizes = _write_checkpoint(repo / "snapshots" / commit, [{"model.embed_tokens.weight": torch.zeros(2048, 128)},
+                                                            {"model.norm.weight": torch.zeros(128)}])
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert checkpoint_file_sizes("org/tiny-bf16") == sizes
+    assert checkpoint_file_sizes("org/tiny-bf16", revision="other") is None
+    assert checkpoint_file_sizes("org/not-downloaded") is None
+
+
+def test_where_the_files_are_not_at_hand_the_largest_is_what_the_saving_release_writes_by_default(tmp_path):
+    """Without the files (a hub id not downloaded yet) the largest file is taken from the layout
+    ``save_pretrained`` gives the shape at the default shard size of the transformers release named
+    in its config: 10 GB before 4.35, 5 GB to 4.x (Qwen2.5's 7B: four files, the largest 4.59 GiB),
+    50 GB from 5.0 and where no release is named, i.e. the whole checkpoint up to 50 GB. The layout
+    is the one transformers writes (checked on a small model saved in 300 kB shards)."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    from zerolab.config import ModelSpec
+    from zerolab.memory.shapes import GB, checkpoint_layout, default_shard_bytes
+
+    assert [default_shard_bytes(v) for v in ("4.34.1", "4.35.0", "4.57.1", "5.0.0", "5.17.0", None, "dev")] == [
+        10 * GB, 5 * GB, 5 * GB, 50 * GB, 50 * GB, 50 * GB, 50 * GB]
+    seven_b = models.load_model_config(ModelSpec(name_or_path="Qwen/Qwen2.5-7B"))  # the known shape, offline
+    shape = ModelShape.from_config(seven_b)
+    assert shape.checkpoint_file_bytes is None and shape.checkpoint_shard_bytes == 5 * GB
+    assert [round(b / GIB, 2) for b in checkpoint_layout(shape, 2, 5 * GB)] == [4.54, 4.59, 4.03, 1.02]
+    assert shape.largest_checkpoint_file(2) == max(checkpoint_layout(shape, 2, 5 * GB))
+    unnamed = ModelShape.from_config({**QWEN25_7B, "dtype": "bfloat16"})
+    assert unnamed.largest_checkpoint_file(2) == unnamed.num_params() * 2  # 15.2 GB: one file
+    older = ModelShape.from_config({**QWEN25_7B, "transformers_version": "4.31.0"})
+    assert older.largest_checkpoint_file(2) == max(checkpoint_layout(older, 2, 10 * GB)) > 5 * GB
+
+    for config in (Qwen2Config(**SMALL, tie_word_embeddings=True), LlamaConfig(**SMALL, attention_bias=True, mlp_bias=True)):
+        folder = tmp_path / config.model_type
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder, max_shard_size=300_000)
+        saved = []
+        for name in sorted(p.name for p in folder.glob("*.safetensors")):
+            with safe_open(str(folder / name), "pt") as f:
+                saved.append(sum(math.prod(f.get_slice(k).get_shape()) * 2 for k in f.keys()))
+        assert len(saved) > 4 and checkpoint_layout(ModelShape.from_config(config), 2, 300_000) == tuple(saved)
+
+
 def test_zero1_offload_held_out_run_at_the_micro_batches_it_ran():
     """The held-out run (0.5B full, ZeRO-1 + optimizer offload, 2 × H200, micro-batch 8 padded):
     its 4 steps met rows of at most 120 tokens (the shard's 481-512-token rows, one in 85, came later),
@@ -283,6 +398,54 @@ def test_reserved_memory_adds_the_largest_block_the_allocator_keeps_cached():
     assert lora.device_reserved == lora.device_peak + int(lora.device_peak * (cal.reserved_factor - 1))
     cpu = memory.estimate(load_config(None, ["adapter.method=full", "scaling.use_gpu=false"]), QWEN25_05B)
     assert cpu.device_cached == {} and cpu.device_reserved == cpu.device_peak
+
+
+def test_deepspeeds_own_gradient_norm_leaves_a_float64_copy_of_the_largest_gradient_cached():
+    """Where DeepSpeed's ZeRO 1-2 takes the gradient norm itself (optimizer offload, or not bf16)
+    it casts each gradient slice to float64 (``get_norm_dtype``, float64 on CPU and CUDA): 8 bytes
+    × the largest slice, the 0.5B embeddings' 136M elements, 1.014 GiB. Under offload it is made on
+    DeepSpeed's reduction stream, whose blocks the main stream never reuses, so it adds to the fp32
+    logits' block: 0.5B full ZeRO-1 + offload on 2 GPUs held 1.556 GiB beyond its peak (0.543 +
+    1.014), where 0.543 was predicted (reserved −17.5%). Without offload, in fp32, it comes just
+    before the step's larger flat gradient copy, which cannot reuse its range: 0.5B full ZeRO-2 in
+    fp32 on one GPU held 2.408 beyond its peak (1.014 + 1.840; −7.5% before). In bf16 without
+    offload zerolab's one-kernel norm makes no copy."""
+    from deepspeed.runtime.zero.utils import get_norm_dtype
+
+    assert get_norm_dtype() == torch.float64
+    embeddings = 151936 * 896
+
+    def est(*overrides: str, workers: int = 1):
+        return memory.estimate(load_config(None, ["adapter.method=full", "scaling.use_gpu=true", f"scaling.num_workers={workers}",
+                                                  "model.gradient_checkpointing=false", "train.micro_batch_size=8",
+                                                  "data.max_seq_length=120", "data.packing=true", *overrides]), QWEN25_05B)
+
+    offload = est("deepspeed.stage=1", "deepspeed.offload_optimizer=true", workers=2)
+    logits = 4 * 151936 * 8 * 120
+    assert offload.device_cached["fp32 logits"] == logits
+    assert offload.device_cached["float64 norm copy + the largest other block"] == 8 * embeddings + logits
+    assert offload.device_reserved - offload.device_peak == 8 * embeddings + logits
+    # The held-out run's peak (4.08 GiB) is its forward pass; the norm's phase is far below it.
+    assert offload.device_peak_phase == "forward/backward" and offload.device_phases["gradient norm"] < offload.device_peak
+
+    fp32 = est("deepspeed.stage=2", "train.precision=fp32")
+    T = fp32.trainable_params
+    assert fp32.device_cached["float64 norm copy (+ a larger flat gradient copy)"] == 8 * embeddings + 4 * T
+    assert fp32.device_reserved - fp32.device_peak == 8 * embeddings + 4 * T
+    # On 2 GPUs the flat copy (⌈T/2⌉ fp32 elements) fits in the norm copy's range: the larger alone.
+    two = est("deepspeed.stage=2", "train.precision=fp32", workers=2)
+    assert two.device_cached["float64 norm copy (+ a larger flat gradient copy)"] == 8 * embeddings
+
+    bf16 = est("deepspeed.stage=2")
+    assert "gradient norm" not in bf16.device_phases
+    assert not any("norm" in name for name in bf16.device_cached)
+    assert not any("norm" in name for name in est("deepspeed.stage=0", "train.precision=fp32").device_cached)
+    assert not any("norm" in name for name in est("deepspeed.stage=3", "deepspeed.offload_optimizer=true").device_cached)
+    # LoRA under offload: its largest adapter matrix, a few MiB, decides nothing.
+    lora = est("adapter.method=lora", "deepspeed.stage=2", "deepspeed.offload_optimizer=true", "model.kernels=liger")
+    cfg = load_config(None, ["adapter.method=lora"])
+    largest = max(p.numel for p in memory.parameter_inventory(ModelShape.from_config(QWEN25_05B), cfg.adapter) if p.trainable)
+    assert lora.device_cached["float64 norm copy + the largest other block"] == 8 * largest < 2**20
 
 
 def test_parameter_offload_caches_gather_buffers_in_proportion_to_the_largest_parameter():
@@ -502,8 +665,9 @@ def test_a_checkpoint_in_another_dtype_is_converted_on_its_way_to_the_device(tmp
     """A bf16 checkpoint trained in fp32 (AdaLoRA) was converted whole on the host before moving to
     the GPU: 43.6 GiB of RSS per worker for 7B, 16.0 GiB converted tensor by tensor on the way
     (2 × H200 / H100, docs/calibration/heldout.md). The meta device stands in for the GPU: the
-    converting load goes through transformers' device map, the same dtype keeps the lazy load whose
-    host pages the estimate's ``host_load_factor_gpu`` was fitted to."""
+    converting load goes through transformers' device map, the same dtype keeps the lazy load, which
+    holds one file's pages at a time (with no file sizes known and no saving release named, the
+    whole checkpoint is taken for one file)."""
     from transformers import AutoConfig, Qwen2Config, Qwen2ForCausalLM
 
     from zerolab.config import ModelSpec
@@ -529,7 +693,7 @@ def test_a_checkpoint_in_another_dtype_is_converted_on_its_way_to_the_device(tmp
     saved_bf16 = {**QWEN25_7B, "dtype": "bfloat16"}
     est = {e: memory.estimate(gpu_cfg("deepspeed.stage=0", f"train.precision={e}"), saved_bf16) for e in ("bf16", "fp32")}
     file_bytes = 7_615_616_512 * 2  # the 7B shape's base weights in its bf16 files
-    assert est["bf16"].host_worker["model loading"] == int(file_bytes * memory.DEFAULT_CALIBRATION.host_load_factor_gpu)
+    assert est["bf16"].host_worker["model loading"] == file_bytes
     assert est["fp32"].host_worker["model loading"] == int(file_bytes * memory.DEFAULT_CALIBRATION.host_load_factor)
 
 

@@ -21,6 +21,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from zerolab.checkpoint_files import CHECKPOINT_FILES_KEY, checkpoint_file_sizes
 from zerolab.config import BUILTIN_TINY_MODEL, ModelSpec
 from zerolab.errors import UserError
 from zerolab.kernels import resolve_attention
@@ -87,21 +88,33 @@ KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
 def load_model_config(spec: ModelSpec) -> Any:
     """The Hugging Face config of the model ``spec`` names: a local folder, ``builtin:tiny-qwen2``
     (built on first use), a hub id found in the local Hugging Face cache, a hub id in
-    :data:`KNOWN_CONFIGS` (a dict, no network), or else the hub. No weights are read. Raises
-    ModelLoadError."""
+    :data:`KNOWN_CONFIGS` (a dict, no network), or else the hub. Where the checkpoint's weights files
+    are at hand (:func:`~zerolab.checkpoint_files.checkpoint_file_sizes`) their sizes are recorded on
+    it, under :data:`~zerolab.checkpoint_files.CHECKPOINT_FILES_KEY`, for the memory estimate's
+    model load. No weights are read. Raises ModelLoadError."""
     path = resolve_model_path(spec.name_or_path)
     kwargs = dict(revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+    config: Any = None
     if not Path(path).expanduser().exists():
         try:
-            return AutoConfig.from_pretrained(path, local_files_only=True, **kwargs)
+            config = AutoConfig.from_pretrained(path, local_files_only=True, **kwargs)
         except LOAD_ERRORS:
             known = KNOWN_CONFIGS.get(path.removesuffix("-Instruct"))
             if known is not None:
-                return {"model_type": "qwen2", "dtype": "bfloat16", **known}
-    try:
-        return AutoConfig.from_pretrained(path, **kwargs)
-    except LOAD_ERRORS as exc:
-        raise ModelLoadError(load_failure(spec.name_or_path, "model config", exc)) from exc
+                # Saved by transformers 4.4x (the 3B and 7B config.json files name 4.43.1): files of at most 5 GB.
+                config = {"model_type": "qwen2", "dtype": "bfloat16", "transformers_version": "4.43.1", **known}
+    if config is None:
+        try:
+            config = AutoConfig.from_pretrained(path, **kwargs)
+        except LOAD_ERRORS as exc:
+            raise ModelLoadError(load_failure(spec.name_or_path, "model config", exc)) from exc
+    sizes = checkpoint_file_sizes(path, spec.revision)
+    if sizes is not None:
+        if isinstance(config, dict):
+            config[CHECKPOINT_FILES_KEY] = sizes
+        else:
+            setattr(config, CHECKPOINT_FILES_KEY, sizes)
+    return config
 
 
 def _looks_like_path(name: str) -> bool:

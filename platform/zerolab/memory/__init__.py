@@ -21,7 +21,8 @@ The formulas follow what the training loop really does (``zerolab.train``):
   upcast to fp32, log-softmax (fp32, saved), and in the backward two more fp32 tensors of the
   logits' size; with 150k-token vocabularies this is often the largest single item;
 - every Ray Train worker is its own process with its own host RSS (Python, torch, CUDA runtime,
-  its dataset shard; on GPU the whole model passes through host memory while it loads).
+  its dataset shard; on GPU the checkpoint passes through host memory while it loads: one file at
+  a time where it loads lazily, ZeRO 0-2 in its own dtype; whole otherwise).
 
 Sizes of saved activations were checked tensor by tensor against autograd's saved tensors on
 CPU (``tests/test_memory.py`` repeats that check on tiny models). Terms that depend on the

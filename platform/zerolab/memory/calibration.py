@@ -74,7 +74,19 @@ class Calibration:
     default job and the DoRA ZeRO-3 NER job on the 2-core machine (docs/calibration/heldout.md)."""
     host_process_gpu_bytes: int = 2105 * MIB
     """The same on a GPU worker: adds the CUDA runtime and the host side of the CUDA context, cuBLAS,
-    cuDNN and NCCL (fitted, with ``host_load_factor_gpu``, to LoRA runs of the 0.5B and 7B shapes)."""
+    cuDNN and NCCL (fitted to LoRA runs of the 0.5B and 7B shapes together with the lazy load's
+    former share of the checkpoint). It is the training phase's baseline, the peak with optimizer
+    offload and under ZeRO-3; a lazy load's phase has its own (``host_gpu_before_load_bytes``)."""
+    host_gpu_before_load_bytes: int = 1425 * MIB
+    """What a GPU worker holds before it reads a checkpoint that loads lazily (ZeRO 0-2, the
+    checkpoint in the training dtype), besides its data shard: the process, its imports and the host
+    side of the CUDA context, before the kernel images and library state of the first steps. The
+    load adds the checkpoint's largest file, whose pages stay resident until its last tensor has
+    gone to the GPU. The runs put it at 1.05-1.17 GiB (1.5B, one 2.875 GiB file; 7B held out, four
+    files of at most 4.59 GiB), 1.35-1.53 GiB (7B, ``jobs/benchmark.py``'s runs) and up to 1.47 GiB
+    (0.5B, one 0.92 GiB file, where the load is the peak too); fitted as the smallest value that
+    leaves none of the 29 stored GPU runs with a lazy load more than 5% under
+    (docs/calibration/heldout.md)."""
     host_gpu_first_steps_bytes: int = 460 * MIB
     """The part of ``host_process_gpu_bytes`` that comes only with the first training steps (the
     kernel images and library state the CUDA runtime loads as each is first used), so is not yet
@@ -89,10 +101,8 @@ class Calibration:
     (its files' pages stay mapped until the load ends). ``from_pretrained`` maps the safetensors
     files and pages come in as they are read; a dtype conversion on the host adds a private copy.
     Measured +1.0× on CPU and under ZeRO-3 on GPU; 0.93× (7B) and 0.4-0.5× (0.5B) converting to
-    the GPU."""
-    host_load_factor_gpu: float = 0.285
-    """The same for ZeRO 0-2 on GPU, where every rank loads the model and DeepSpeed moves it to its
-    GPU: only part of the checkpoint is resident at the peak (fitted: 0.29× the file)."""
+    the GPU. A lazy load under ZeRO 0-2 on GPU holds the largest file instead
+    (``host_gpu_before_load_bytes``)."""
     host_cpu_tensor_factor: float = 1.5
     """CPU training only: worker RSS growth / peak bytes of live tensors. glibc keeps freed heap
     chunks of activation-sized tensors mapped, so RSS runs ahead of what is allocated, by an

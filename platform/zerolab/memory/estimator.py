@@ -34,6 +34,7 @@ from zerolab.memory.terms import (
     framework,
     gathered,
     gathered_at_start,
+    gradient_norm_copy,
     gradients,
     master_weights,
     offload_gradient_buffer,
@@ -85,7 +86,9 @@ def device_components(job: EstimateContext) -> tuple[dict[str, int], dict[str, i
     gradient partition buffer, allocated at init). Optimizer
     step = persistent + gradients + DeepSpeed buffers + the last logits (``out`` still holds
     them). ZeRO-0's gradient all-reduce = persistent + gradients + their flat bucket, min(T, 5e8)·e
-    (any world size) + the last logits. Init (ZeRO 1-2 flatten the trainable parameters into a new buffer) = persistent
+    (any world size) + the last logits. ZeRO 1-2's gradient norm where DeepSpeed takes it (offload,
+    or not bf16) = persistent + gradients (offload: the one gradient going to the host) + its
+    float64 copy (``gradient_norm_copy``) + the last logits. Init (ZeRO 1-2 flatten the trainable parameters into a new buffer) = persistent
     without optimizer states + T·e. ZeRO-3 forward start = persistent + held gradients + the
     parameters gathered then (``gathered_at_start``) + the embeddings' output and the first
     layer's activations, B·S·(e·h + the per-layer bytes)."""
@@ -122,6 +125,12 @@ def device_components(job: EstimateContext) -> tuple[dict[str, int], dict[str, i
         # After the backward DeepSpeed flattens the gradients into all-reduce buckets of up to
         # 5e8 elements, on one GPU as well (engine.allreduce_bucket); the step's buffers come later.
         phases["gradient all-reduce"] = persistent + c["gradients"] + flat_gradient_copy(job) + logits
+    norm = gradient_norm_copy(job)
+    if norm:
+        # DeepSpeed's own norm: one gradient slice's float64 copy beside the gradients (under
+        # optimizer offload, beside the one on its way to the host).
+        held = c["gradients"] if not job.offload_opt else job.largest_trainable() * job.e
+        phases["gradient norm"] = persistent + held + norm + logits
     if job.gathers():
         first_layer = job.tokens * (job.e * job.shape.hidden_size + activation_bytes_per_layer(job))
         phases["forward start"] = persistent + held_grads + gathered_at_start(job) + first_layer

@@ -22,9 +22,11 @@ def host_components(job: EstimateContext, device_peak: int) -> tuple[dict[str, i
     the process, fitted); dataset shard (⌈rows/N⌉ × (16·S + row overhead)); model
     load (ZeRO 0-2 every rank reads the whole checkpoint, ZeRO-3 rank 0 alone: P × the file's
     bytes per element, plus P·e when converting dtype, × host_load_factor; on GPU with ZeRO 0-2,
-    where tensors go to the GPU as they are read, P × the file's bytes × host_load_factor_gpu,
-    or × host_load_factor when converting dtype; ZeRO-3 with parameter offload: + the pinned partitions, filled while
-    the checkpoint is held); offloaded optimizer (ZeRO 1-2: fp32 master, fp32 gradient and
+    where tensors go to the GPU as they are read, the checkpoint's largest file
+    (:meth:`~zerolab.memory.shapes.ModelShape.largest_checkpoint_file`) on top of what the process
+    holds before the load (``host_gpu_before_load_bytes``), or P × the file's bytes ×
+    host_load_factor when converting dtype; ZeRO-3 with parameter offload: + the pinned partitions,
+    filled while the checkpoint is held); offloaded optimizer (ZeRO 1-2: fp32 master, fp32 gradient and
     bit16 parameter partitions pinned, 10·⌈T/N⌉, AdamW states 8·⌈T/N⌉ unpinned, a staging
     buffer of the largest parameter; ZeRO-3: fp32 master pinned, gradient partition e pinned,
     states, and the fp32 gradient of the step: 18·⌈T/N⌉); offloaded parameters (every
@@ -41,13 +43,19 @@ def host_components(job: EstimateContext, device_peak: int) -> tuple[dict[str, i
     file_bytes = job.shape.weights_bytes_per_param or e
     # The checkpoint's pages as they are read, plus a converted private copy when dtypes differ.
     # Under ZeRO 0-2 on GPU (zerolab.models.load_model) tensors go to the GPU as they are read
-    # and peft wraps the model there: no converted copy stays on the host (its files' pages all
-    # do, until the load ends), and DoRA's weight-norm set-up reads no checkpoint pages there.
-    # A quantized base loads through the device map at every stage, quantized on the GPU as it
-    # arrives: its files' pages all stay until the load ends, as when converting.
-    if job.gpu and (job.stage < 3 or job.quantization != "none"):
-        lazy = file_bytes == e and job.quantization == "none"
-        load = int(base_params * file_bytes * (cal.host_load_factor_gpu if lazy else cal.host_load_factor))
+    # and peft wraps the model there: no converted copy stays on the host, and DoRA's weight-norm
+    # set-up reads no checkpoint pages there. A checkpoint in the training dtype loads lazily:
+    # transformers maps each file and a file's pages stay resident from the copy of its first
+    # tensor to the release of its last, when it is unmapped, so at most the largest file is
+    # resident (an RSS trace of a sharded checkpoint on CPU; 1.5B on one H100: the run's peak is
+    # the process before the load plus its one 2.875 GiB file). Converting goes through the
+    # device map, whose files all stay mapped until the load ends; so does a quantized base, which
+    # loads through the device map at every stage, quantized on the GPU as it arrives.
+    lazy = job.gpu and job.stage < 3 and file_bytes == e and job.quantization == "none"
+    if lazy:
+        load = job.shape.largest_checkpoint_file(file_bytes)
+    elif job.gpu and (job.stage < 3 or job.quantization != "none"):
+        load = int(base_params * file_bytes * cal.host_load_factor)
     else:
         load = int(base_params * (file_bytes + (e if file_bytes != e else 0)) * cal.host_load_factor)
 
@@ -94,7 +102,9 @@ def host_components(job: EstimateContext, device_peak: int) -> tuple[dict[str, i
     # before its first steps bring in the rest of its baseline; with parameter offload it fills
     # pinned partitions while it reads, and its load peaks on the whole baseline (measured).
     whole = job.gpu and not job.offload_param and (job.stage == 3 or file_bytes != e or job.quantization != "none")
-    load_base = base - (cal.host_gpu_first_steps_bytes if whole else 0)
+    # A lazy load peaks on what the process holds before it reads the checkpoint (fitted), not on
+    # its steady-state baseline.
+    load_base = cal.host_gpu_before_load_bytes if lazy else base - (cal.host_gpu_first_steps_bytes if whole else 0)
     rank0 = {
         "model load": load_base + dataset + load + partitions,
         "training": base + dataset + resident,

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
+from zerolab.checkpoint_files import CHECKPOINT_FILES_KEY
 from zerolab.config import AdapterSpec
 from zerolab.memory.errors import MemoryEstimateError
 from zerolab.memory.units import format_count
+
+GB = 10**9
+"""A gigabyte as ``max_shard_size`` strings count it (huggingface_hub's ``parse_size_to_int``)."""
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The linear modules of a Llama/Qwen2-style decoder layer, in forward order (peft's
@@ -32,6 +37,14 @@ class ModelShape:
     model_type: str = "qwen2"
     weights_bytes_per_param: int | None = None
     """Bytes per element of the saved checkpoint (config ``dtype``/``torch_dtype``), None if unknown."""
+    checkpoint_file_bytes: tuple[int, ...] | None = None
+    """The size of each of the checkpoint's weights files, where they were read
+    (``zerolab.models.load_model_config`` records them, under
+    :data:`~zerolab.checkpoint_files.CHECKPOINT_FILES_KEY`, for a local folder or a hub id in the
+    Hugging Face cache); None where the files are not at hand."""
+    checkpoint_shard_bytes: int = 50 * GB
+    """The largest shard the checkpoint's files can be where their sizes are unknown: the default
+    ``max_shard_size`` of the transformers release that saved it (:func:`default_shard_bytes`)."""
 
     @classmethod
     def from_config(cls, config: Any) -> ModelShape:
@@ -64,6 +77,8 @@ class ModelShape:
             mlp_bias=bool(get("mlp_bias", False)),
             model_type=model_type or "unknown",
             weights_bytes_per_param=_dtype_bytes(get("dtype", None) or get("torch_dtype", None)),
+            checkpoint_file_bytes=_file_sizes(get(CHECKPOINT_FILES_KEY, None)),
+            checkpoint_shard_bytes=default_shard_bytes(get("transformers_version", None)),
         )
 
     @property
@@ -89,6 +104,16 @@ class ModelShape:
 
     def num_params(self) -> int:
         return sum(p.total for p in parameter_inventory(self, AdapterSpec(method="full")) if not p.adapter)
+
+    def largest_checkpoint_file(self, bytes_per_param: int) -> int:
+        """Bytes of the checkpoint's largest weights file: read where the files are at hand
+        (:attr:`checkpoint_file_bytes`), otherwise the largest file of the layout that
+        ``save_pretrained`` gives this shape at :attr:`checkpoint_shard_bytes` with
+        ``bytes_per_param`` bytes per element (:func:`checkpoint_layout`): the whole checkpoint for
+        one that fits one shard."""
+        if self.checkpoint_file_bytes:
+            return max(self.checkpoint_file_bytes)
+        return max(checkpoint_layout(self, bytes_per_param, self.checkpoint_shard_bytes))
 
 
 @dataclass(frozen=True)
@@ -179,6 +204,56 @@ def max_position_embeddings(model_config: Any) -> int | None:
     get = model_config.get if isinstance(model_config, dict) else lambda k, d=None: getattr(model_config, k, d)
     value = get("max_position_embeddings", None)
     return value if isinstance(value, int) and value > 0 else None
+
+
+def default_shard_bytes(transformers_version: Any) -> int:
+    """The default ``max_shard_size`` of the transformers release that saved a checkpoint (the
+    ``transformers_version`` its config.json names): 10 GB before 4.35, 5 GB from 4.35 (the hub's
+    recommendation then; transformers PR 26942), 50 GB from 5.0 (PR 42734). Where the version is
+    missing or unreadable, 50 GB: no default file of any release is larger. A checkpoint uploaded
+    with a larger ``max_shard_size`` than its release's default is the case this cannot see."""
+    found = re.match(r"(\d+)\.(\d+)", str(transformers_version or ""))
+    if found is None:
+        return 50 * GB
+    version = (int(found.group(1)), int(found.group(2)))
+    return 10 * GB if version < (4, 35) else 5 * GB if version < (5, 0) else 50 * GB
+
+
+def checkpoint_layout(shape: ModelShape, bytes_per_param: int, max_shard_bytes: int) -> tuple[int, ...]:
+    """The weights bytes of each file ``save_pretrained(max_shard_size=max_shard_bytes)`` writes for
+    ``shape`` (safetensors headers, a few KiB, left out): the tensors in state-dict order
+    (embeddings; per layer q, k, v, o with their biases, gate, up, down, the two norms; the final
+    norm; the head unless tied, which is not saved), a new file started where the next tensor would
+    take the current one past the limit, a tensor larger than the limit in a file of its own
+    (huggingface_hub's ``split_state_dict_into_shards_factory``)."""
+    h, layers = shape.hidden_size, shape.num_layers
+    biases = {"q_proj": shape.qkv_bias, "k_proj": shape.qkv_bias, "v_proj": shape.qkv_bias, "o_proj": shape.o_bias,
+              "gate_proj": shape.mlp_bias, "up_proj": shape.mlp_bias, "down_proj": shape.mlp_bias}
+    layer: list[int] = []
+    for name, (fan_in, fan_out) in shape.linear_shapes().items():
+        layer += [fan_in * fan_out] + ([fan_out] if biases[name] else [])
+    layer += [h, h]
+    tensors = [shape.vocab_size * h, *(layer * layers), h] + ([] if shape.tie_word_embeddings else [h * shape.vocab_size])
+    files: list[int] = []
+    current = 0
+    for numel in tensors:
+        size = numel * bytes_per_param
+        if size > max_shard_bytes:
+            files.append(size)
+            continue
+        if current and current + size > max_shard_bytes:
+            files.append(current)
+            current = 0
+        current += size
+    if current:
+        files.append(current)
+    return tuple(files)
+
+
+def _file_sizes(value: Any) -> tuple[int, ...] | None:
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, int) and v > 0 for v in value):
+        return tuple(value)
+    return None
 
 
 def _dtype_bytes(dtype: Any) -> int | None:

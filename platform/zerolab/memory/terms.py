@@ -259,6 +259,19 @@ def flat_gradient_copy(job: EstimateContext) -> int:
     return 0 if job.offload_opt else job.part(job.T) * job.e
 
 
+def gradient_norm_copy(job: EstimateContext) -> int:
+    """ZeRO 1-2 where DeepSpeed 0.19.8 takes the gradient norm itself: each gradient slice of this
+    rank's partition cast to float64 for its norm (``get_norm_dtype``), one at a time; the largest is
+    8 bytes × the largest trainable parameter's elements (at most ⌈T/N⌉). Under optimizer offload
+    ``set_norm_for_param_grad_in_gpu`` does it at the end of the backward, as each gradient goes to
+    the host; otherwise ``get_grad_norm_direct`` at the step, just before the flat gradient copy
+    (:func:`flat_gradient_copy`). Not in bf16 without offload, where zerolab takes the norm in one
+    multi-tensor kernel without copies (``zerolab.engine.batch_zero_step_checks``)."""
+    if job.stage not in (1, 2) or (job.cfg.precision() == "bf16" and not job.offload_opt):
+        return 0
+    return 8 * min(job.largest_trainable(), job.part(job.T))
+
+
 def largest_gathered(job: EstimateContext) -> int:
     """ZeRO-3: the largest parameter gathered whole, e·numel (the embeddings, or an untied head)."""
     return job.e * max((p.numel for p in job.inv if not job.persistent(p)), default=0)
@@ -277,11 +290,27 @@ def cached_blocks(job: EstimateContext) -> dict[str, int]:
     - With parameter offload, the buffers of the largest gathered parameter: its partition copied
       from the host and its gathered whole, freed after its module and fetched again for the next
       (``reserved_param_offload_factor`` × :func:`largest_gathered`).
+    - The float64 copy of the largest gradient slice that DeepSpeed's own norm makes
+      (:func:`gradient_norm_copy`), with what cannot share its range. Under optimizer offload it is
+      made inside ``reduce_ipg_grads``' ``with stream(reduction_stream)`` (``overlap_comm``, as the
+      shipped ZeRO 1-2 configs set it): the allocator keeps each stream's blocks apart, so the
+      main stream's largest cached block (the fp32 logits) stays reserved beside it. Measured: 0.5B
+      full fine-tuning, ZeRO-1 + offload, 2 GPUs, held 1.556 GiB beyond its peak: the fp32 logits'
+      0.543 and 8 × the embeddings' 136M elements, 1.014. Without offload (fp32 or fp16) it is made
+      just before the step's flat gradient copy: a larger flat copy cannot reuse its range and both
+      stay reserved (0.5B full ZeRO-2 in fp32, one GPU: 2.408 GiB beyond the peak; the norm copy
+      1.014 and the flat copy 1.840).
     """
     blocks = {"fp32 logits": 0 if job.fused_loss else 4 * job.shape.vocab_size * job.tokens,
               "flat gradient copy": flat_gradient_copy(job)}
     if job.stage == 3 and job.offload_param:
         blocks["gathered parameter buffers"] = int(job.cal.reserved_param_offload_factor * largest_gathered(job))
+    norm = gradient_norm_copy(job)
+    if norm and job.offload_opt and job.knobs.overlap_comm:
+        blocks["float64 norm copy + the largest other block"] = norm + max(blocks.values())
+    elif norm:
+        flat = blocks["flat gradient copy"]
+        blocks["float64 norm copy (+ a larger flat gradient copy)"] = norm + (flat if flat > norm else 0)
     return blocks
 
 
