@@ -114,6 +114,23 @@ def test_the_estimate_counts_packed_weights_and_their_constants():
     assert int8.device["weights"] == pytest.approx(linear + 4 * rows + held + rest * 2 + adapters, rel=1e-6)
 
 
+def test_every_rank_reads_a_quantized_base_under_zero3_too():
+    """ZeRO-3 reads a plain checkpoint once (rank 0, into the partitions), but a quantized base loads
+    whole through every rank's device map (14B nf4 and int8 on two GPUs, h200x2-59: 58.1 GiB of host
+    memory for the two workers under ZeRO-3 as under ZeRO-2): every worker's load counts it."""
+    from zerolab.memory import estimate
+    from zerolab.models import KNOWN_CONFIGS
+
+    config = KNOWN_CONFIGS["Qwen/Qwen2.5-7B"]
+    overrides = ["model.name_or_path=Qwen/Qwen2.5-7B", "scaling.use_gpu=true", "scaling.num_workers=2", "train.precision=bf16",
+                 "deepspeed.stage=3", "data.max_seq_length=4096"]
+    plain = estimate(load_config(None, overrides), config)
+    nf4 = estimate(load_config(None, [*overrides, "model.quantization=nf4"]), config)
+    assert plain.host_other_worker_phases["model load"] < plain.host_worker_phases["model load"] / 2
+    assert nf4.host_other_worker_phases["model load"] == nf4.host_worker_phases["model load"]
+    assert nf4.host_other_worker_phases["model load"] > 7.6e9 * 2  # the bf16 checkpoint's pages
+
+
 # --- DeepSpeed over two ranks (gloo) --------------------------------------------------------------
 
 

@@ -110,7 +110,10 @@ def host_components(job: EstimateContext, device_peak: int) -> tuple[dict[str, i
         "training": base + dataset + resident,
         "checkpoint save": base + dataset + resident + save,
     }
-    # ZeRO-3: rank 0 alone reads the checkpoint into the partitions; ZeRO 0-2: every rank loads the model.
-    other = {"model load": (load_base + load if job.stage < 3 else base) + dataset, "training": rank0["training"]}
+    # ZeRO-3: rank 0 alone reads the checkpoint into the partitions; ZeRO 0-2, and a quantized base at
+    # every stage (each rank quantizes the whole base through its device map): every rank loads it
+    # (14B nf4 and int8 ZeRO-3 on 2 GPUs, h200x2-59: 58.1 GiB for both workers, as under ZeRO-2).
+    every_rank = job.stage < 3 or job.quantization != "none"
+    other = {"model load": (load_base + load if every_rank else base) + dataset, "training": rank0["training"]}
     node = {"Ray services and driver": cal.host_ray_node_bytes} if cal.host_ray_node_bytes else {}
     return worker, rank0, other, node
