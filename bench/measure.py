@@ -66,10 +66,8 @@ def write_rank_result(path: str | Path, result: dict[str, Any]) -> None:
 
 
 def model_counts(model: torch.nn.Module) -> tuple[int, int]:
-    """(total, trainable) parameters, also under ZeRO-3 (``ds_numel``)."""
-    total = trainable = 0
-    for p in model.parameters():
-        n = int(getattr(p, "ds_numel", p.numel()))
-        total += n
-        trainable += n if p.requires_grad else 0
+    """(total, trainable) parameters, also under ZeRO-3 and of a 4-bit base (``zerolab.adapters.parameter_counts``)."""
+    from zerolab.adapters import parameter_counts
+
+    trainable, total = parameter_counts(model)
     return total, trainable
