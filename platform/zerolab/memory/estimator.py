@@ -62,7 +62,7 @@ def estimate(cfg: SFTConfig, model_config: Any, *, calibration: Calibration = DE
     if cfg.data.max_seq_length == "auto" and data is not None and data.longest_row:
         # As zerolab.data.resolve_max_seq_length does on the driver (jobs resolve it there: the
         # shards here miss the rows that equal train shards drop).
-        length = auto_max_seq_length(data.longest_row, max_position_embeddings(model_config))
+        length = auto_max_seq_length(data.longest_row, max_position_embeddings(model_config, cfg.model))
         cfg = cfg.replace(data=dataclasses.replace(cfg.data, max_seq_length=length))
     knobs = ZeroKnobs.resolve(cfg, shape.hidden_size)
     option = Option.of(cfg)
