@@ -10,13 +10,15 @@ from typing import Any
 from zerolab.batches import auto_max_seq_length
 from zerolab.config import SFTConfig
 from zerolab.memory.activations import (
-    activation_bytes_per_layer,
     activations,
     attention_quadratic,
     backward_gradients,
     dora_transient,
     logits_and_loss,
+    mlp_tile,
+    mlp_tile_forward,
     recomputed_layer,
+    saved_per_layer,
 )
 from zerolab.memory.batch import BatchShape, ShardLengths
 from zerolab.memory.calibration import DEFAULT_CALIBRATION, Calibration
@@ -81,14 +83,14 @@ def device_components(job: EstimateContext) -> tuple[dict[str, int], dict[str, i
     """Components and phases. Persistent = weights + master + optimizer states + the offload
     gradient buffer + framework.
     Forward/backward = persistent + gathered + saved activations + max(loss region, recomputed
-    layer + the gradients of a layer's backward + logits, DoRA transient) (+ gradients held across accumulation steps, and ZeRO-3's
+    layer + the gradients of a layer's backward + a tiled MLP's tile + logits, DoRA transient) (+ gradients held across accumulation steps, and ZeRO-3's
     gradient partition buffer, allocated at init). Optimizer
     step = persistent + gradients + DeepSpeed buffers + the last logits (``out`` still holds
     them). ZeRO-0's gradient all-reduce = persistent + gradients + their flat bucket, min(T, 5e8)·e
     (any world size) + the last logits. Init (ZeRO 1-2 flatten the trainable parameters into a new buffer) = persistent
     without optimizer states + T·e. ZeRO-3 forward start = persistent + held gradients + the
     parameters gathered then (``gathered_at_start``) + the embeddings' output and the first
-    layer's activations, B·S·(e·h + the per-layer bytes)."""
+    layer's activations, B·S·(e·h + the per-layer bytes), and with the tiled MLP one tile's forward."""
     # ``out.logits`` lives until the next forward (the fused loss returns none).
     logits = 0 if job.fused_loss else job.e * job.shape.vocab_size * job.tokens
     saved, recompute, grads_in_flight = activations(job), recomputed_layer(job), backward_gradients(job)
@@ -112,7 +114,7 @@ def device_components(job: EstimateContext) -> tuple[dict[str, int], dict[str, i
     # activation is alive, but not with it.
     # A quantized base's dequantized weight lives only within its layer's product, as FP8's input copy.
     transient = fp8_transient(job) + dequantized_transient(job)
-    peak_activity = max(logits_and_loss(job), recompute + grads_in_flight + logits + transient, dora_transient(job))
+    peak_activity = max(logits_and_loss(job), recompute + grads_in_flight + mlp_tile(job) + logits + transient, dora_transient(job))
     phases = {
         "init": persistent - c["optimizer states"] + (job.T * job.e if job.stage in (1, 2) else 0),
         "forward/backward": persistent + held_grads + gathered(job) + saved + peak_activity,
@@ -123,7 +125,7 @@ def device_components(job: EstimateContext) -> tuple[dict[str, int], dict[str, i
         # 5e8 elements, on one GPU as well (engine.allreduce_bucket); the step's buffers come later.
         phases["gradient all-reduce"] = persistent + c["gradients"] + flat_gradient_copy(job) + logits
     if job.gathers():
-        first_layer = job.tokens * (job.e * job.shape.hidden_size + activation_bytes_per_layer(job))
+        first_layer = job.tokens * (job.e * job.shape.hidden_size + saved_per_layer(job)) + mlp_tile_forward(job)
         phases["forward start"] = persistent + held_grads + gathered_at_start(job) + first_layer
     return c, phases
 
