@@ -53,6 +53,9 @@ SHAPES = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B", "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5
           "qwen2.5-14b": "Qwen/Qwen2.5-14B", "tiny": None}
 """Calibration shape -> the KNOWN_CONFIGS entry it copies (tiny: the built-in model itself)."""
 
+SHAPE_POSITIONS = 32768
+"""The random-init shapes' ``max_position_embeddings`` (the Qwen2.5 instruct models'): longer rows need RoPE scaling."""
+
 COLUMNS = ["case", "device", "status", "seconds", "pred_gpu_alloc_gib", "meas_gpu_alloc_gib", "err_gpu_alloc_pct",
            "pred_gpu_reserved_gib", "meas_gpu_reserved_gib", "err_gpu_reserved_pct", "pred_host_workers_gib",
            "meas_host_workers_gib", "err_host_pct", "pred_node_total_gib", "meas_node_used_gib", "workers",
@@ -369,7 +372,7 @@ def shape_tokenizer() -> Any:
     from zerolab.models import build_tiny_model
 
     tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
-    tokenizer.model_max_length = 32768
+    tokenizer.model_max_length = SHAPE_POSITIONS
     return tokenizer
 
 

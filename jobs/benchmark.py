@@ -2,6 +2,7 @@
 
     python jobs/benchmark.py --suite single-0.5b --suite single-7b --out results/h100
     python jobs/benchmark.py --suite scaling-7b --out results/h200x2 --max-minutes 9
+    python jobs/benchmark.py --suite long-rows-7b --only rows32k --out results/h100  # long rows (docs/memory.md#long-rows)
     python jobs/benchmark.py --run zerolab-qwen2.5-7b-1gpu-z0-mb2 --out results/h100  # one run, by name
     python jobs/benchmark.py --suite cpu-smoke --out /tmp/bench           # the harness itself, on CPU
     python jobs/benchmark.py --report results/*/benchmark.csv --out docs  # one table from several machines
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--run: no run named {', '.join(unknown)}; the runs: {', '.join(sorted(by_name))}")
     runs += [by_name[n] for n in args.run]
     ws = harness.Workspace(args.work)
-    ws.prepare({r.shape for r in runs})
+    ws.prepare({r.shape for r in runs}, {r.row_tokens for r in runs})
     (args.out / "environment.json").write_text(json.dumps(harness.environment(), indent=1))
     log = open(args.out / "runs.log", "a")  # noqa: SIM115 (every run appends to it)
     gpu_shapes = sorted({r.shape for r in runs} - {"tiny"})

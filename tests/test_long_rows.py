@@ -14,10 +14,14 @@ import torch.multiprocessing as mp
 
 from conftest import free_port, rows_of
 
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+"""CPU: host copies are plain copies; cuda (the GPU tier): pinned host memory, side-stream copies."""
 
-def tiny_model(method: str = "lora", *, dropout: float = 0.0, checkpointing: bool = True, seed: int = 0) -> torch.nn.Module:
-    """The tiny model in fp32 with ``method``'s adapter (every LoRA B random, so every adapter weight
-    gets a gradient), in training mode, checkpointed as zerolab's engine checkpoints it."""
+
+def tiny_model(method: str = "lora", *, dropout: float = 0.0, checkpointing: bool = True, seed: int = 0,
+               device: str = "cpu") -> torch.nn.Module:
+    """The tiny model in fp32 on ``device`` with ``method``'s adapter (every LoRA B random, so every
+    adapter weight gets a gradient), in training mode, checkpointed as zerolab's engine checkpoints it."""
     from zerolab import adapters
     from zerolab.config import AdapterSpec, ModelSpec
     from zerolab.models import load_model
@@ -31,14 +35,15 @@ def tiny_model(method: str = "lora", *, dropout: float = 0.0, checkpointing: boo
     for name, p in model.named_parameters():
         if "lora_B" in name:
             p.data.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model.train()
+    return model.to(device).train()
 
 
 def loss_and_gradients(model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
     torch.manual_seed(2)
+    ids = ids.to(next(model.parameters()).device)
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.item(), {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def assert_same(got: tuple[float, dict], expected: tuple[float, dict], rtol: float = 1e-6) -> None:
@@ -86,30 +91,37 @@ def test_config_checks_the_long_row_settings():
 # --- checkpoint offload ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("method", ["lora", "dora", "rslora", "full"])
-def test_offloaded_checkpoints_give_the_same_loss_and_gradients(tiny_model_path, method):
-    """Each layer's input but the last goes to a host copy in the forward pass and a copy of that
-    comes back for its recomputation: (L − 1)·B·S·h·4 bytes per step, the same loss and gradients."""
+def test_offloaded_checkpoints_give_the_same_loss_and_gradients(tiny_model_path, method, device):
+    """Each layer's input but the last goes to a host copy in the forward pass (pinned, on a GPU) and
+    a copy of that comes back for its recomputation, the next one's started with it: (L − 1)·B·S·h·4
+    bytes per step, the same loss and gradients."""
     from zerolab.long_rows import offload_checkpoints
     from zerolab.models import decoder_layers
 
-    expected = loss_and_gradients(tiny_model(method), IDS)
-    model = tiny_model(method)
+    expected = loss_and_gradients(tiny_model(method, device=device), IDS)
+    model = tiny_model(method, device=device)
     layers = decoder_layers(model)
-    inputs, restored = [], []
+    inputs, restored, copies = [], [], []
     hooks = [layer.register_forward_pre_hook(lambda m, args: inputs.append(args[0].data_ptr()) if len(inputs) < len(layers) else None)
              for layer in layers]
     offload = offload_checkpoints(model)
-    from_host = offload._from_host
+    to_host, from_host = offload._to_host, offload._from_host
+    offload._to_host = lambda index, t: copies.append(c := to_host(index, t)) or c
     offload._from_host = lambda index, saved: restored.append(t := from_host(index, saved)) or t
     got = loss_and_gradients(model, IDS)
-    assert_same(got, expected)
-    layers_count, hidden = len(layers), model.config.hidden_size if hasattr(model, "config") else 128
+    # CUDA's fp32 attention backward sums in no fixed order.
+    assert_same(got, expected, rtol=1e-6 if device == "cpu" else 1e-5)
+    layers_count, hidden = len(layers), 128
     stats = offload.stats
     assert (stats.offloaded_tensors, stats.restored_tensors, stats.kept_tensors) == (layers_count - 1, layers_count - 1, 1)
+    assert stats.prefetched_tensors == layers_count - 2  # each restore but the lowest layer's started a layer early
     assert stats.offloaded_bytes == (layers_count - 1) * IDS.numel() * hidden * 4
+    assert all(c.host.device.type == "cpu" and c.host.is_pinned() == (device == "cuda") for c in copies)
     # What the recomputation read came back from the host copies, not the forward pass's tensors.
-    assert len(restored) == layers_count - 1 and not {t.data_ptr() for t in restored} & set(inputs[:-1])
+    assert len(restored) == layers_count - 1 and all(t.device.type == device for t in restored)
+    assert not {t.data_ptr() for t in restored} & set(inputs[:-1])
     for hook in hooks:
         hook.remove()
 
@@ -137,23 +149,26 @@ def test_tile_counts():
     assert mlp_tiles(8, 100, 64) == 8 and mlp_tiles(8, 5, 64) == 5 and mlp_tiles(0, 100, 64) == 1
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("method", ["lora", "full"])
 @pytest.mark.parametrize("checkpointing", [True, False], ids=["checkpointing", "no-checkpointing"])
-def test_tiled_mlp_gives_the_same_loss_and_gradients(tiny_model_path, method, checkpointing):
+def test_tiled_mlp_gives_the_same_loss_and_gradients(tiny_model_path, method, checkpointing, device):
     from zerolab.long_rows import tile_mlps
 
-    expected = loss_and_gradients(tiny_model(method, checkpointing=checkpointing), IDS)
-    model = tiny_model(method, checkpointing=checkpointing)
+    expected = loss_and_gradients(tiny_model(method, checkpointing=checkpointing, device=device), IDS)
+    model = tiny_model(method, checkpointing=checkpointing, device=device)
     assert tile_mlps(model, 5) == 4
     # 74 tokens in 5 tiles: the sums of the MLP weights' gradients run in another order (fp32 rounding).
     assert_same(loss_and_gradients(model, IDS), expected, rtol=2e-5)
     with torch.no_grad():
         model.eval()
-        plain = tiny_model(method, checkpointing=checkpointing).eval()
-        torch.testing.assert_close(model(input_ids=IDS).logits, plain(input_ids=IDS).logits, rtol=1e-5, atol=1e-5)
+        plain = tiny_model(method, checkpointing=checkpointing, device=device).eval()
+        ids = IDS.to(device)
+        torch.testing.assert_close(model(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_tiled_mlp_recomputes_each_tile_with_its_forward_dropout_and_reduces_once(tiny_model_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_tiled_mlp_recomputes_each_tile_with_its_forward_dropout_and_reduces_once(tiny_model_path, device):
     """With adapter dropout each tile draws its own masks; the backward pass recomputes the tile
     under the same random state, so output and gradients are those of the tiles computed one after
     another with autograd (a recomputation drawing new masks would differ). A trainable weight is
@@ -161,11 +176,11 @@ def test_tiled_mlp_recomputes_each_tile_with_its_forward_dropout_and_reduces_onc
     from zerolab.long_rows import tile_mlps
     from zerolab.models import decoder_layers
 
-    model = tiny_model("lora", dropout=0.5, checkpointing=False)
+    model = tiny_model("lora", dropout=0.5, checkpointing=False, device=device)
     mlp = decoder_layers(model)[1].mlp
     forward = mlp.forward
-    x = torch.randn(2, 37, 128, generator=torch.Generator().manual_seed(4))
-    grad = torch.randn(2, 37, 128, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(2, 37, 128, generator=torch.Generator().manual_seed(4)).to(device)
+    grad = torch.randn(2, 37, 128, generator=torch.Generator().manual_seed(5)).to(device)
 
     def run(tiled: bool) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         mlp.zero_grad()
@@ -176,7 +191,7 @@ def test_tiled_mlp_recomputes_each_tile_with_its_forward_dropout_and_reduces_onc
         return out.detach(), inp.grad, {n: p.grad.clone() for n, p in mlp.named_parameters() if p.grad is not None}
 
     reference = run(False)
-    tile_mlps(model, 3)
+    assert tile_mlps(model, 3) == 4
     lora_a = mlp.down_proj.lora_A["default"].weight
     ready = []
     lora_a.register_hook(lambda g: ready.append(lora_a.ds_grad_is_ready))
@@ -386,3 +401,45 @@ def test_long_row_settings_train_as_the_plain_path(method, stage):
         if name != "plain":
             assert_trains_as(results, name, "plain")
     assert results["both"][3] == 3 * ACCUM * 3
+
+
+# --- the benchmark's long-row runs ----------------------------------------------------------------
+
+
+def test_long_row_benchmark_runs_train_rows_of_their_length(tmp_path, tiny_model_path, monkeypatch):
+    """bench/workload.long_rows cuts each document to just under the row length (the tokens the
+    pipeline makes of the rendered row); the long-row suites' runs take those rows one per
+    micro-batch row at that length, with YaRN past the shapes' 32K positions, and their estimate
+    inputs load as job configs."""
+    from conftest import REPO
+
+    monkeypatch.syspath_prepend(str(REPO))
+    from bench import harness, workload
+    from bench.calibrate_memory import estimate_overrides
+
+    from zerolab.config import load_config
+
+    path = workload.long_rows(tmp_path / "data", 2048, rows=2)
+    assert workload.long_rows(tmp_path / "data", 2048, rows=2) == path  # written once
+    lengths = [len(ids) for ids, _ in workload.tokenized_rows(path)]
+    assert len(lengths) == 2 and all(2048 - 96 < n <= 2048 for n in lengths), lengths
+    runs = harness.SUITES["long-rows-7b"] + harness.SUITES["long-rows-0.5b"]
+    assert {r.row_tokens for r in runs} == {4096, 32768, 65536, 131072, 262144, -1}
+    ws = harness.Workspace(tmp_path)
+    ws.data = tmp_path / "mix.jsonl"
+    ws.models = {"qwen2.5-7b": "/models/7b", "qwen2.5-0.5b": "/models/0.5b"}
+    ws.long_data = {n: tmp_path / f"rows-{n}.jsonl" for n in (4096, 32768, 65536, 131072, 262144)}
+    for run in runs:
+        if run.row_tokens < 0:
+            continue
+        overrides = harness.zerolab_overrides(run, ws)
+        assert f"data.train_path={ws.long_data[run.row_tokens]}" in overrides and f"data.max_seq_length={run.row_tokens}" in overrides
+        assert f"data.num_train_rows={harness.LONG_ROWS}" in overrides
+        factor = [o for o in overrides if o.startswith("model.rope_factor=")]
+        assert factor == ([f"model.rope_factor={run.row_tokens // 32768}"] if run.row_tokens > 32768 else []), run.name
+        cfg = load_config(None, estimate_overrides(overrides))
+        assert cfg.data.max_seq_length == run.row_tokens and cfg.train.micro_batch_size == 1
+    longest = next(r for r in runs if r.row_tokens == 262144)
+    cfg = load_config(None, estimate_overrides(harness.zerolab_overrides(longest, ws)))
+    assert cfg.model.offload_checkpoints and cfg.model.tiled_mlp == "auto" and cfg.model.gradient_checkpointing
+    assert cfg.model.positions(32768) == 262144

@@ -53,6 +53,8 @@ class OffloadStats:
     offloaded_tensors: int = 0
     offloaded_bytes: int = 0
     restored_tensors: int = 0
+    prefetched_tensors: int = 0
+    """Inputs whose copy back started before the backward pass asked for them (with the layer above's)."""
     kept_tensors: int = 0
     """Inputs of the last layer, which stay on the device."""
 
@@ -147,8 +149,9 @@ class CheckpointOffload:
         self._start_restore(saved)
         # The layer below is recomputed next: its input starts coming back while this layer runs.
         below = self._copies[index - 1]() if index > 0 and self._copies[index - 1] is not None else None
-        if below is not None:
+        if below is not None and below.restored is None:
             self._start_restore(below)
+            self.stats.prefetched_tensors += 1
         restored, saved.restored = saved.restored, None
         if saved.ready is not None:  # allocated on the compute stream, written on the side stream
             torch.cuda.current_stream(restored.device).wait_event(saved.ready)
@@ -169,6 +172,7 @@ def offload_checkpoints(model: torch.nn.Module) -> CheckpointOffload:
     offload = CheckpointOffload(len(layers))
     for index, layer in enumerate(layers):
         layer._gradient_checkpointing_func = offload.wrap(index, layer._gradient_checkpointing_func)
+        layer.zerolab_offloads_checkpoint = index < len(layers) - 1
     return offload
 
 
@@ -254,6 +258,7 @@ def tile_mlps(model: torch.nn.Module, tiles: int | str) -> int:
             continue
         size = hidden or next(p.shape[-1] for n, p in mlp.named_parameters() if n.endswith("weight"))
         _tile(mlp, tiles, size)
+        mlp.zerolab_tiles = tiles
         count += 1
     return count
 
@@ -275,4 +280,11 @@ def _tile(mlp: torch.nn.Module, tiles: int | str, hidden_size: int) -> None:
     mlp.forward = tiled_forward
 
 
-__all__ = ["CheckpointOffload", "OffloadStats", "mlp_tiles", "offload_checkpoints", "tile_mlps"]
+def long_row_modules(model: torch.nn.Module) -> tuple[int, int]:
+    """(decoder layers whose checkpoint goes to host memory, MLPs computed in tiles) of ``model``."""
+    modules = list(model.modules())
+    return (sum(bool(getattr(m, "zerolab_offloads_checkpoint", False)) for m in modules),
+            sum(hasattr(m, "zerolab_tiles") for m in modules))
+
+
+__all__ = ["CheckpointOffload", "OffloadStats", "long_row_modules", "mlp_tiles", "offload_checkpoints", "tile_mlps"]
