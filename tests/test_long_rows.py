@@ -266,6 +266,31 @@ def test_auto_length_keeps_rows_up_to_the_scaled_positions(tiny_model_path):
     assert rope_scaling_fix(100000, {}, yarn) == ()
 
 
+def test_evaluation_and_export_load_the_base_with_the_runs_rope_scaling(tiny_model_path, tmp_path):
+    """An adapter trained with RoPE scaling is evaluated and merged on the base scaled as in training
+    (the training run's params say how), and the exported folder's config carries the scaling."""
+    from transformers import AutoConfig
+
+    from zerolab import adapters
+    from zerolab.config import AdapterSpec, ModelSpec
+    from zerolab.export import export_merged
+    from zerolab.models import load_model
+    from zerolab.reference import Target, rope_of
+
+    params = {"model.rope_scaling": "yarn", "model.rope_factor": "2.0", "model.rope_original_max_position_embeddings": ""}
+    assert rope_of(params) == ("yarn", 2.0, None) and rope_of({}) == ("none", 1.0, None)
+    model = adapters.apply_adapter(load_model(ModelSpec(rope_scaling="yarn", rope_factor=2.0), torch.float32), AdapterSpec(r=4),
+                                   total_steps=1)
+    model.save_pretrained(tmp_path / "adapter")
+    target = Target(base=tiny_model_path, tuned_path=str(tmp_path / "adapter"), tuned_kind="adapter", source="test",
+                    rope=rope_of(params))
+    assert target.base_spec().rope == target.tuned_spec().rope == ("yarn", 2.0, None)
+    result = export_merged(target, tmp_path / "merged")
+    assert result["max_logit_diff"] < 1e-4
+    params = AutoConfig.from_pretrained(tmp_path / "merged").rope_parameters
+    assert (params["rope_type"], params["factor"]) == ("yarn", 2.0)
+
+
 # --- two gloo ranks: the engine and the training step ---------------------------------------------
 
 ACCUM = 2
