@@ -59,7 +59,7 @@ class ModelSpec:
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about a third more compute."""
     offload_checkpoints: bool = False
-    """With `gradient_checkpointing`: keep each decoder layer's checkpoint (its input hidden states, e·h bytes per token) in pinned host memory between the forward and the backward pass, copied on a side stream while the layers compute; the last layer's stays on the GPU. Moves (L − 1)·e·h bytes per token from the GPU to the host (7B at 256K tokens: 45 GiB); on CPU it is a plain copy (docs/memory.md#long-rows)."""
+    """With `gradient_checkpointing`: keep each decoder layer's checkpoint (its input hidden states, e·h bytes per token) in pinned host memory between the forward and the backward pass, copied on a side stream while the layers compute; the last layer's stays on the GPU, and one more is in flight in the backward pass. Frees (L − 2)·e·h bytes per token of GPU memory and pins (L − 1) copies on the host (7B at 256K tokens: 45 GiB freed, 54 GiB pinned in power-of-two blocks); on CPU it is a plain copy (docs/memory.md#long-rows)."""
     tiled_mlp: int | Literal["auto"] = 0
     """Compute each decoder layer's MLP over this many tiles of the micro-batch's tokens and recompute them one at a time in the backward pass, so that its tokens × intermediate tensors exist for one tile only (one more MLP forward per step); `auto`: tiles of `hidden_size` tokens (ALST's choice); 0 or 1: off. Not with `compile`."""
     rope_scaling: Literal["none", "linear", "dynamic", "yarn"] = "none"

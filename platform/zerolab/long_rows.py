@@ -22,7 +22,7 @@
 
 - Tiled MLP (``model.tiled_mlp``, :func:`tile_mlps`): each decoder layer's MLP runs over tiles of
   the micro-batch's tokens, and its backward pass recomputes one tile at a time, so the B·S × I
-  intermediate tensors (gate, up, their product, and their gradients: 7B, 113 KiB per token each
+  intermediate tensors (gate, up, their product, and their gradients: 7B, 111 KiB per token each
   way) exist for one tile only. DeepSpeed's ``TiledMLP`` (``deepspeed.runtime.sequence_parallel.
   ulysses_sp``) is the model; this one also restores each tile's random state for its
   recomputation, so adapter dropout draws the same masks in the backward pass as in the forward
