@@ -58,6 +58,9 @@ SHARD_SIZE = 5 * 10**9
 transformers 5 saves up to 50 GB in one file): the 0.5B and 1.5B shapes are one file each, the 3B
 shape two (4.62 and 1.13 GiB), the 7B shape four (the largest 4.59 GiB)."""
 
+SHAPE_POSITIONS = 32768
+"""The random-init shapes' ``max_position_embeddings`` (the Qwen2.5 instruct models'): longer rows need RoPE scaling."""
+
 COLUMNS = ["case", "device", "status", "seconds", "pred_gpu_alloc_gib", "meas_gpu_alloc_gib", "err_gpu_alloc_pct",
            "pred_gpu_reserved_gib", "meas_gpu_reserved_gib", "err_gpu_reserved_pct", "pred_host_workers_gib",
            "meas_host_workers_gib", "err_host_pct", "pred_node_total_gib", "meas_node_used_gib", "workers",
@@ -387,7 +390,7 @@ def shape_tokenizer() -> Any:
     from zerolab.models import build_tiny_model
 
     tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
-    tokenizer.model_max_length = 32768
+    tokenizer.model_max_length = SHAPE_POSITIONS
     return tokenizer
 
 

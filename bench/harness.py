@@ -25,6 +25,7 @@ import csv
 import dataclasses
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import signal
@@ -32,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,8 +43,8 @@ SYSTEMS = ("zerolab", "zerolab-torchrun", "seeds", "plain", "trl")
 SHAPE_IDS = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B", "qwen2.5-7b": "Qwen/Qwen2.5-7B", "qwen2.5-14b": "Qwen/Qwen2.5-14B"}
 
 COLUMNS = ["run", "system", "shape", "gpus", "stage", "offload", "variant", "micro_batch", "checkpointing", "attn", "quantization", "steps",
-           "tokens_per_s_per_gpu", "step_s", "mfu", "tokens_per_step", "gpu_peak_allocated_gib", "gpu_peak_reserved_gib",
-           "host_rss_peak_gib", "node_used_peak_gib", "time_to_first_step_s", "wall_s", "train_rows", "train_tokens",
+           "tokens_per_s_per_gpu", "step_s", "mfu", "mfu_attn", "row_tokens", "tokens_per_step", "gpu_peak_allocated_gib",
+           "gpu_peak_reserved_gib", "host_rss_peak_gib", "node_used_peak_gib", "time_to_first_step_s", "wall_s", "train_rows", "train_tokens",
            "train_target_tokens", "status", "device", "command"]
 """``attn``: the attention the run asked for; a ``trl`` run's is the one it loaded (``--attn auto`` picks it)."""
 
@@ -75,6 +77,11 @@ class Run:
     """zerolab-torchrun: ``memory`` (the allocator's history at the steps' peak) and ``rss`` (the process's
     resident memory by phase), printed to runs.log."""
     max_seq_length: int = 4096
+    row_tokens: int = 0
+    """0: the benchmark's data mix (rows of 20 to ``max_seq_length`` tokens, packed). Else long rows
+    (``bench/workload.long_rows``) of just under this many tokens, one per micro-batch row, with
+    ``data.max_seq_length`` this and YaRN RoPE scaling past the shapes' 32K positions; -1: the
+    longest row the memory estimate fits on this machine (:func:`estimated_row_tokens`)."""
 
     def quantization(self) -> str:
         """The base's ``model.quantization`` among the overrides (``none`` without it)."""
@@ -146,6 +153,33 @@ def _fp8_against_bf16(shape: str, suffix: str = "", **settings: Any) -> list[Run
     ``fp8<suffix>-1``, ...)."""
     return [Run("zerolab", shape, variant=f"{label}{suffix}-{rep}", overrides=(f"model.fp8={v}",), **settings)
             for rep in (1, 2, 3) for label, v in (("bf16", "false"), ("fp8", "true"))]
+
+
+def _suite_long_rows_7b() -> list[Run]:
+    """7B LoRA r16 on one GPU, ZeRO-2, one packed long row per micro-batch, with the settings the
+    memory estimate fits for each length on an 80 GiB GPU: 4K rows as today's benchmark trains
+    them; 32K with the tiled MLP (no checkpointing: the fastest that fits) and with checkpointing;
+    128K with checkpointing, alone and with the tiled MLP; 256K with checkpoint offload and the
+    tiled MLP too; then the longest row the estimate fits here with those (about 500K tokens on one
+    H100 with 128 GiB of host memory). A few steps each, the last window measured. A step's
+    attention grows with the square of the row: about 10 s at 32K, a minute at 128K, four at 256K
+    (7B on one H100, FlashAttention-2 at ~300 TFLOP/s), a quarter of an hour at 500K."""
+    long = ("model.offload_checkpoints=true", "model.tiled_mlp=auto")
+    return [
+        Run("zerolab", "qwen2.5-7b", stage=2, row_tokens=4096, steps=12, window=6, variant="rows4k", timeout_s=300),
+        Run("zerolab", "qwen2.5-7b", stage=2, row_tokens=32768, steps=6, window=3, variant="rows32k-tiled", timeout_s=420,
+            overrides=("model.tiled_mlp=auto",)),
+        Run("zerolab", "qwen2.5-7b", stage=2, row_tokens=32768, steps=6, window=3, checkpointing=True, variant="rows32k-ckpt",
+            timeout_s=420),
+        Run("zerolab", "qwen2.5-7b", stage=2, row_tokens=131072, steps=3, window=2, checkpointing=True, variant="rows128k-ckpt",
+            timeout_s=540),
+        Run("zerolab", "qwen2.5-7b", stage=2, row_tokens=131072, steps=3, window=2, checkpointing=True, variant="rows128k-ckpt-tiled",
+            timeout_s=540, overrides=("model.tiled_mlp=auto",)),
+        Run("zerolab", "qwen2.5-7b", stage=2, row_tokens=262144, steps=2, window=1, checkpointing=True,
+            variant="rows256k-ckpt-offload-tiled", timeout_s=900, overrides=long),
+        Run("zerolab", "qwen2.5-7b", stage=2, row_tokens=-1, steps=1, window=1, checkpointing=True,
+            variant="rowsmax-ckpt-offload-tiled", timeout_s=3600, overrides=long),
+    ]
 
 
 SUITES: dict[str, list[Run]] = {
@@ -286,6 +320,12 @@ SUITES: dict[str, list[Run]] = {
             overrides=("model.quantization=nf4",)),
         Run("trl", "qwen2.5-7b", steps=12, window=6, checkpointing=True, attn="auto", variant=f"nf4-mb1-ckpt-rep{rep}", timeout_s=300,
             overrides=("model.quantization=nf4",)))],
+    # Long rows on one GPU (docs/memory.md#long-rows): see _suite_long_rows_7b.
+    "long-rows-7b": _suite_long_rows_7b(),
+    # The 0.5B shape at 64K-token rows: as they fit without checkpointing, and with the tiled MLP.
+    "long-rows-0.5b": [Run("zerolab", "qwen2.5-0.5b", stage=2, row_tokens=65536, steps=6, window=3, variant=f"rows64k{label}",
+                           timeout_s=420, overrides=overrides)
+                       for label, overrides in (("", ()), ("-tiled", ("model.tiled_mlp=auto",)))],
     # CPU smoke test of the harness itself (tiny model, no GPU): every system runs a few steps.
     "cpu-smoke": [Run(s, "tiny", micro_batch=2, steps=4, window=2, checkpointing=s == "seeds", attn="sdpa", kernels="none",
                       timeout_s=600) for s in SYSTEMS],
@@ -297,33 +337,57 @@ class Workspace:
     root: Path
     data: Path = field(init=False)
     models: dict[str, str] = field(default_factory=dict)
+    long_data: dict[int, Path] = field(default_factory=dict)
+    """Long-row files by row length (:attr:`Run.row_tokens`)."""
 
-    def prepare(self, shapes: set[str]) -> None:
+    def prepare(self, shapes: set[str], row_tokens: Iterable[int] = ()) -> None:
         from bench import workload
         from bench.calibrate_memory import model_path
 
         self.root.mkdir(parents=True, exist_ok=True)
         self.data = workload.data_mix(self.root / "data")
+        for tokens in sorted(t for t in row_tokens if t > 0):
+            self.long_rows(tokens)
         from zerolab.models import resolve_model_path
 
         for shape in sorted(shapes):
             self.models[shape] = resolve_model_path(model_path(shape, self.root / "models"))
 
+    def long_rows(self, tokens: int) -> Path:
+        """The long-row file of rows of just under ``tokens`` tokens (written once)."""
+        from bench import workload
+
+        if tokens not in self.long_data:
+            self.long_data[tokens] = workload.long_rows(self.root / "data", tokens, rows=LONG_ROWS)
+        return self.long_data[tokens]
+
+    def data_of(self, run: Run) -> Path:
+        return self.long_rows(run.row_tokens) if run.row_tokens > 0 else self.data
+
+
+LONG_ROWS = 2
+"""Rows of a long-row file: the longest runs take two steps; shorter ones go round them again."""
+
 
 def zerolab_overrides(run: Run, ws: Workspace, *, for_torchrun: bool = False) -> list[str]:
     """The job config of a zerolab run (the torchrun loop takes the same, minus Ray's and MLflow's)."""
+    from bench.calibrate_memory import SHAPE_POSITIONS
     from bench.workload import NUM_LONG, NUM_MATH, NUM_NER
 
+    length = run.row_tokens if run.row_tokens > 0 else run.max_seq_length
     o = [f"model.name_or_path={ws.models[run.shape]}", f"model.attn_implementation={run.attn}", f"model.kernels={run.kernels}",
          f"model.gradient_checkpointing={str(run.checkpointing).lower()}",
          "adapter.method=lora", "adapter.r=16", "adapter.alpha=32", "adapter.dropout=0.0",
-         "data.task=custom", f"data.train_path={ws.data}", f"data.num_train_rows={NUM_MATH + NUM_NER + NUM_LONG}",
-         f"data.max_seq_length={run.max_seq_length}", "data.packing=true",
+         "data.task=custom", f"data.train_path={ws.data_of(run)}",
+         f"data.num_train_rows={LONG_ROWS if run.row_tokens > 0 else NUM_MATH + NUM_NER + NUM_LONG}",
+         f"data.max_seq_length={length}", "data.packing=true",
          f"train.micro_batch_size={run.micro_batch}", f"train.max_steps={run.steps}", f"train.log_every_n_steps={run.window}",
          "train.lr=1e-4", "train.weight_decay=0.1",
          f"deepspeed.stage={run.stage}", f"deepspeed.offload_optimizer={str(run.offload != 'none').lower()}",
          f"deepspeed.offload_param={str(run.offload == 'all').lower()}",
          f"scaling.use_gpu={str(run.shape != 'tiny').lower()}", f"scaling.num_workers={run.gpus}"]
+    if length > SHAPE_POSITIONS:  # past the shapes' trained positions (zerolab's plan refuses it without)
+        o += ["model.rope_scaling=yarn", f"model.rope_factor={math.ceil(length / SHAPE_POSITIONS)}"]
     if run.shape == "tiny":
         o = [x for x in o if not x.startswith(("model.name_or_path", "data.max_seq_length"))]
         o += ["data.max_seq_length=1024", "data.max_bad_fraction=0.2"]  # the smoke test skips the longest rows
@@ -353,8 +417,9 @@ def hf_default_zero3(ws: Workspace, run: Run) -> Path:
 def command(run: Run, ws: Workspace, result: Path) -> list[str]:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={run.gpus}"]
     model = ws.models[run.shape]
-    common = ["--model", model, "--data", str(ws.data), "--out", str(result), "--steps", str(run.steps), "--window", str(run.window),
-              "--micro-batch", str(run.micro_batch), "--max-seq-length", "1024" if run.shape == "tiny" else str(run.max_seq_length)]
+    length = run.row_tokens if run.row_tokens > 0 else run.max_seq_length
+    common = ["--model", model, "--data", str(ws.data_of(run)), "--out", str(result), "--steps", str(run.steps), "--window", str(run.window),
+              "--micro-batch", str(run.micro_batch), "--max-seq-length", "1024" if run.shape == "tiny" else str(length)]
     if run.system == "zerolab":
         return [sys.executable, str(REPO / "bench" / "zerolab_run.py"), "--out", str(result),
                 *[a for o in zerolab_overrides(run, ws) for a in ("--set", o)]]
@@ -397,6 +462,21 @@ def estimated_micro_batch(run: Run, ws: Workspace) -> int:
     return largest_micro_batch(cfg, shape_model_config(run.shape), Limits.detect(), Option.of(cfg)) or 1
 
 
+def estimated_row_tokens(run: Run, ws: Workspace) -> int:
+    """The longest row ``jobs/estimate.py`` names for ``run`` on this machine (its settings, micro-batch
+    1, packed): the longest multiple of 1,024 tokens that fits its GPU and host memory outside the
+    estimate's 10% margin (4,096 if none does)."""
+    from bench.calibrate_memory import estimate_overrides, resolved_overrides, shape_model_config
+
+    from zerolab.config import load_config
+    from zerolab.memory import Limits, longest_row
+    from zerolab.zero import Option
+
+    probe = dataclasses.replace(run, row_tokens=4096)  # the long-row data's row count; longest_row sets the length
+    cfg = load_config(None, estimate_overrides(resolved_overrides(zerolab_overrides(probe, ws))))
+    return longest_row(cfg, shape_model_config(run.shape), Limits.detect(), Option.of(cfg)) or 4096
+
+
 def execute(run: Run, ws: Workspace, log: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Run one benchmark run; returns its CSV row and, for zerolab runs, a memory-calibration row."""
     from bench.calibrate_memory import NodeMemorySampler
@@ -404,6 +484,9 @@ def execute(run: Run, ws: Workspace, log: Any) -> tuple[dict[str, Any], dict[str
     if run.micro_batch == 0:
         run = dataclasses.replace(run, micro_batch=estimated_micro_batch(run, ws))
         log.write(f"\n{run.name}: micro-batch {run.micro_batch}, the largest the memory estimate allows here\n")
+    if run.row_tokens < 0:
+        run = dataclasses.replace(run, row_tokens=estimated_row_tokens(run, ws))
+        log.write(f"\n{run.name}: rows of {run.row_tokens:,} tokens, the longest the memory estimate allows here\n")
 
     result = ws.root / "results" / run.name
     result.parent.mkdir(parents=True, exist_ok=True)
@@ -413,6 +496,7 @@ def execute(run: Run, ws: Workspace, log: Any) -> tuple[dict[str, Any], dict[str
     row: dict[str, Any] = {"run": run.name, "system": run.system, "shape": run.shape, "gpus": run.gpus, "stage": run.stage,
                            "offload": run.offload, "variant": run.variant, "micro_batch": run.micro_batch,
                            "checkpointing": run.checkpointing, "attn": run.attn, "quantization": run.quantization(), "steps": run.steps,
+                           "row_tokens": run.row_tokens or "",
                            "command": _shown(cmd, ws)}
     env = subprocess_env()
     if run.system == "zerolab-torchrun":  # the allocator settings zerolab's workers get
@@ -440,6 +524,7 @@ def execute(run: Run, ws: Workspace, log: Any) -> tuple[dict[str, Any], dict[str
     metrics = _collect(run, result)
     row.update({k: (round(v, 4) if isinstance(v, float) else v) for k, v in metrics.items() if k in COLUMNS})
     row["time_to_first_step_s"] = round(metrics["first_step_unix"] - launch, 1) if metrics.get("first_step_unix") else ""
+    row["mfu_attn"] = _mfu_with_attention(run, metrics)
     row["status"] = "ok"
     calibration = _calibration_row(run, ws, metrics, node.peak_gib) if run.system == "zerolab" and run.ds_settings == "tuned" else None
     return row, calibration
@@ -470,6 +555,24 @@ def _collect(run: Run, result: Path) -> dict[str, Any]:
             "gpu_peak_reserved_gib": max(r.get("gpu_peak_reserved_gib", 0.0) for r in ranks),
             "host_rss_peak_gib": sum(r["host_rss_peak_gib"] for r in ranks), "first_step_unix": first["first_step_unix"],
             "device": first["device"], **{k: first[k] for k in ("attn", "train_rows", "train_tokens", "train_target_tokens") if k in first}}
+
+
+def _mfu_with_attention(run: Run, metrics: dict[str, Any]) -> float | str:
+    """MFU with attention's FLOPs counted (``zerolab.perf.attention_train_flops_per_token``), for runs
+    of long rows, whose micro-batch rows are one sample each: the sample's length is the tokens of a
+    step per row. Empty for the data mix (samples of many lengths packed together)."""
+    from bench.calibrate_memory import shape_model_config
+
+    from zerolab import perf
+    from zerolab.memory import ModelShape
+
+    if run.row_tokens <= 0 or not metrics.get("mfu") or not metrics.get("tokens_per_step"):
+        return ""
+    shape = ModelShape.from_config(shape_model_config(run.shape))
+    sample = metrics["tokens_per_step"] / (run.micro_batch * run.gpus)
+    attention = metrics["tokens_per_s_per_gpu"] * perf.attention_train_flops_per_token(int(sample), shape.q_dim, shape.num_layers)
+    peak = perf.peak_flops_of(metrics.get("device", ""))
+    return round(float(metrics["mfu"]) + attention / peak, 4) if peak else ""
 
 
 def _calibration_row(run: Run, ws: Workspace, metrics: dict[str, Any], node_peak_gib: float) -> dict[str, Any]:

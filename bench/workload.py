@@ -7,6 +7,9 @@ system prompt, so every trainer renders it the same way):
 - the NER set (2,000 rows of a sentence → entities as JSON),
 - a long-sample set: NER over whole documents of generated sentences, 512 to ``max_tokens`` long.
 
+Long rows (:func:`long_rows`, the long-row suites): ``long_context`` rows (a generated document with
+one fact to find, ``zerolab.tasks.long_context``) cut to just under a given token count each.
+
 :func:`tokenized_rows` renders and tokenizes the rows exactly as zerolab's data pipeline does
 (``zerolab.data.tokenize_messages``), so the baselines train on the same token sequences as zerolab.
 Models come from ``bench/calibrate_memory.py``'s builder: random weights in the real shape with the
@@ -17,7 +20,9 @@ the logits realistic). Nothing is downloaded.
 from __future__ import annotations
 
 import json
+import math
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +66,59 @@ def data_mix(root: Path, *, seed: int = 0, max_tokens: int = 4096) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".partial")
     tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    tmp.rename(path)
+    return path
+
+
+def long_rows(root: Path, tokens: int, *, rows: int = 4, seed: int = 0) -> Path:
+    """Write (once) and return a file of ``rows`` chat rows, each a ``long_context`` question on a
+    document (the task's system prompt; the question, a blank line and the document as the user's
+    message; the code as the answer) that the benchmark's tokenizer renders into at most ``tokens``
+    tokens and at least that less one filler sentence (a few dozen tokens): each document is made
+    longer than needed, then its filler sentences are dropped from the end, the facts kept, to the
+    most that fit (a bisection over the count kept). Packed with ``data.max_seq_length`` set to
+    ``tokens``, every micro-batch of one row is then one such row, about ``tokens`` wide."""
+    from zerolab.tasks import long_context
+
+    path = root / f"long-rows-{tokens}-n{rows}-seed{seed}.jsonl"
+    if path.is_file():
+        return path
+    tokenizer = _tokenizer()
+
+    def chat(row: dict, document: str) -> dict:
+        return {"messages": [{"role": "system", "content": long_context.SYSTEM_PROMPT},
+                             {"role": "user", "content": f"{row['instruction']}\n\n{document}"},
+                             {"role": "assistant", "content": row["output"]}]}
+
+    probe = long_context.generate(1, seed, max_tokens=4096)[0]
+    per_word = _length(tokenizer, chat(probe, probe["input"])) / len(probe["input"].split())
+    # The generator fills half to all of its budget (in words): the shortest then still overshoots by 10%.
+    budget = math.ceil(2.2 * tokens / per_word) + long_context.RESERVED_TOKENS
+    out = []
+    for i in range(rows):
+        row = long_context.generate(1, seed + i, max_tokens=budget)[0]
+        sentences = re.split(r"(?<=\.) ", row["input"])
+        facts = [s.startswith("The access code of ") for s in sentences]
+
+        def document(kept: int, row: dict = row, sentences: list[str] = sentences, facts: list[bool] = facts) -> str:
+            fillers = 0
+            parts = []
+            for sentence, is_fact in zip(sentences, facts):
+                if is_fact or fillers < kept:
+                    parts.append(sentence)
+                fillers += not is_fact
+            return " ".join(parts)
+
+        low, high = 0, len(facts) - sum(facts)
+        if _length(tokenizer, chat(row, document(high))) <= tokens:
+            raise ValueError(f"a document of {high} filler sentences is not longer than {tokens} tokens; raise the budget")
+        while high - low > 1:  # the most filler sentences that fit: low fits, high does not
+            middle = (low + high) // 2
+            low, high = (middle, high) if _length(tokenizer, chat(row, document(middle))) <= tokens else (low, middle)
+        out.append(chat(row, document(low)))
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out), encoding="utf-8")
     tmp.rename(path)
     return path
 

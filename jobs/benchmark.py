@@ -2,6 +2,7 @@
 
     python jobs/benchmark.py --suite single-0.5b --suite single-7b --out results/h100
     python jobs/benchmark.py --suite scaling-7b --out results/h200x2 --max-minutes 9
+    python jobs/benchmark.py --suite long-rows-7b --only rows32k --out results/h100  # long rows (docs/memory.md#long-rows)
     python jobs/benchmark.py --run zerolab-qwen2.5-7b-1gpu-z0-mb2 --out results/h100  # one run, by name
     python jobs/benchmark.py --suite trl-7b --out results/h100            # zerolab against TRL (pip install -e .[bench])
     python jobs/benchmark.py --suite cpu-smoke --out /tmp/bench           # the harness itself, on CPU
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     # The kernel checks train one batch with every weight trainable: the 0.5B shape whatever the runs'
     # (the 7B shape's full gradients and padded activations did not fit an 80 GB GPU).
     checks = any(r.shape != "tiny" for r in runs) and not args.skip_checks
-    ws.prepare({r.shape for r in runs} | ({CHECKS_SHAPE} if checks else set()))
+    ws.prepare({r.shape for r in runs} | ({CHECKS_SHAPE} if checks else set()), {r.row_tokens for r in runs})
     (args.out / "environment.json").write_text(json.dumps(harness.environment(), indent=1))
     log = open(args.out / "runs.log", "a")  # noqa: SIM115 (every run appends to it)
     if checks:

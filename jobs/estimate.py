@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         recommend,
         worst_case_by_config,
     )
-    from zerolab.memory.shapes import max_position_embeddings
+    from zerolab.memory.shapes import max_position_embeddings, rope_scaling_fix
     from zerolab.models import ModelLoadError, load_model_config
 
     try:
@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         tokens = longest_row(row_cfg, model_config, limits, option, multiple=ROW_MULTIPLE)
         longer = longer_row_settings(row_cfg, model_config, limits, option, multiple=ROW_MULTIPLE) if args.longest_row else None
-        print(format_longest_row(tokens, option, multiple=ROW_MULTIPLE, max_positions=max_position_embeddings(model_config),
-                                 longer=longer))
+        print(format_longest_row(tokens, option, multiple=ROW_MULTIPLE, max_positions=max_position_embeddings(model_config, cfg.model),
+                                 longer=longer, rope_fix=rope_scaling_fix(tokens, model_config, cfg.model) if tokens else ()))
     if rec is None:
         print("recommendation: nothing fits, not even micro-batch 1 with gradient checkpointing; use more or larger GPUs, "
               "shorten data.max_seq_length, or train an adapter instead of the full model")

@@ -8,7 +8,9 @@ random-init Qwen2 of ``GPU_SHAPE`` (conftest) for six steps, recorded in a temp 
 The matrix: lora, dora, rslora and full on ZeRO 0, 2 and 3; LoRA once more on ZeRO-2 with the
 optimizer offloaded and on ZeRO-3 with optimizer and parameters offloaded; AdaLoRA where zerolab
 allows it (ZeRO-0, fp32); ZeRO-2 LoRA packed with the varlen attention kernel. Each on one GPU
-and on two (skipped with fewer). The fused kernels' own checks against the plain path are in
+and on two (skipped with fewer). Long rows' settings (checkpoint offload, the tiled MLP) train as
+checkpointing alone does, on one GPU; their checks against the plain path model by model, pinned
+host copies included, are in ``test_long_rows.py`` (its ``cuda`` cases). The fused kernels' own checks against the plain path are in
 ``test_kernels.py`` (its ``cuda`` cases).
 
 What "gives the training-time logits" is checked against: the training-time model is rebuilt
@@ -218,3 +220,37 @@ def test_a_one_gpu_job_without_ray_evaluates_after_training_on_its_gpu(tmp_path,
     assert run.data.metrics["eval/tuned/gpu_peak_generate_gib"] > 0
     summary = json.loads(Path(client.download_artifacts(run.info.run_id, "eval/summary.json", str(tmp_path))).read_text())
     assert summary["options"]["device"] == "cuda" and summary["options"]["merge"] is False
+
+
+LONG_ROWS_BASE = ["deepspeed.stage=2", "model.gradient_checkpointing=true", "adapter.dropout=0", "data.packing=true",
+                  "model.attn_implementation=varlen", "train.micro_batch_size=2"]
+"""Packed rows through the varlen kernel, Liger's kernels where installed, checkpointing: the long-row setting."""
+
+
+def test_long_row_settings_train_as_the_plain_path_on_a_gpu(gpu_ray, tmp_path, gpu_model_path):
+    """Checkpoint offload (pinned host copies, side-stream copies), the tiled MLP and both, each a
+    six-step job on one GPU: the same losses as checkpointing alone, to bf16's rounding, and the
+    run's record says what the workers applied."""
+    from mlflow import MlflowClient
+
+    from zerolab.run import run_sft
+
+    variants = {"plain": [], "offload": ["model.offload_checkpoints=true"], "tiled": ["model.tiled_mlp=3"],
+                "both": ["model.offload_checkpoints=true", "model.tiled_mlp=3"]}
+    runs = {}
+    for name, overrides in variants.items():
+        cfg = case_config(tmp_path / name, gpu_model_path, [*LONG_ROWS_BASE, *overrides], 1)
+        result = run_sft(cfg)
+        client = MlflowClient(result.tracking_uri)
+        run = client.get_run(result.run_id)
+        assert run.info.status == "FINISHED", name
+        losses = [m.value for m in sorted(client.get_metric_history(result.run_id, "train/loss"), key=lambda m: m.step)]
+        runs[name] = (losses, run.data.metrics["eval/loss"], run.data.params)
+    plain_losses, plain_eval, params = runs["plain"]
+    assert params["derived.offloaded_checkpoint_layers"] == params["derived.tiled_mlps"] == "0"
+    for name in ("offload", "tiled", "both"):
+        losses, eval_loss, params = runs[name]
+        assert losses == pytest.approx(plain_losses, rel=2e-2), name
+        assert eval_loss == pytest.approx(plain_eval, rel=2e-2), name
+        assert params["derived.offloaded_checkpoint_layers"] == ("3" if name in ("offload", "both") else "0"), name
+        assert params["derived.tiled_mlps"] == ("4" if name in ("tiled", "both") else "0"), name

@@ -1243,9 +1243,16 @@ def test_longer_row_settings_name_what_shortens_a_rows_cost():
     h100 = Limits(gpu_mem_bytes=80 * GIB, gpus_per_node=1)
     base = memory.longest_row(cfg, QWEN25_7B, h100, Option(2))
     longer = {r.what: r for r in memory.longer_row_settings(cfg, QWEN25_7B, h100, Option(2))}
-    assert list(longer) == ["gradient checkpointing", "Liger's fused loss and kernels", "varlen attention", "a 4-bit base",
+    assert list(longer) == ["gradient checkpointing", "checkpointing with the checkpoints offloaded to host memory", "the tiled MLP",
+                            "Liger's fused loss and kernels", "varlen attention", "a 4-bit base",
+                            "the checkpoints offloaded and the tiled MLP together",
                             "ZeRO-3 + offload (the weights leave the GPU between uses)", "all of these"]
     assert longer["gradient checkpointing"].overrides == ("model.gradient_checkpointing=true",)
+    assert longer["checkpointing with the checkpoints offloaded to host memory"].overrides == (
+        "model.gradient_checkpointing=true", "model.offload_checkpoints=true")
+    assert longer["the tiled MLP"].overrides == ("model.tiled_mlp=auto",)
+    assert longer["the checkpoints offloaded and the tiled MLP together"].overrides == (
+        "model.gradient_checkpointing=true", "model.offload_checkpoints=true", "model.tiled_mlp=auto")
     assert all(r.tokens is not None and r.tokens >= base for r in longer.values())
     best = longer["all of these"]
     assert best.option == Option(3, "all") and best.tokens > max(r.tokens for w, r in longer.items() if w != "all of these")
@@ -1260,8 +1267,11 @@ def test_cli_reports_the_longest_row_and_what_makes_it_longer(tmp_path, tiny_mod
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "longest row with ZeRO-2: 124,928 tokens at micro-batch 1, packed (--set data.max_seq_length=124928;" in out
-    assert "past the model's max_position_embeddings (32,768)" in out
+    assert ("that is past the 32,768 positions the model reaches: rows longer than that need RoPE scaling to keep positions "
+            "right (--set model.rope_scaling=yarn --set model.rope_factor=4.0)") in out
     assert "with a 4-bit base:" in out and "with all of these:" in out and "sequence parallelism" in out
+    assert "with checkpointing with the checkpoints offloaded to host memory: " in out and "with the tiled MLP: " in out
+    assert "with the checkpoints offloaded and the tiled MLP together: " in out
 
 
 def test_sequence_parallelism_splits_a_rows_activations_and_lengthens_the_longest_row():
@@ -1281,3 +1291,72 @@ def test_sequence_parallelism_splits_a_rows_activations_and_lengthens_the_longes
     assert row.tokens > 3.5 * alone
     assert "sequence parallelism over" not in " ".join(
         r.what for r in memory.longer_row_settings(cfg, QWEN25_7B, Limits(gpu_mem_bytes=80 * GIB, gpus_per_node=1), Option(2)))
+
+
+def test_checkpoint_offload_moves_all_but_two_layer_inputs_to_pinned_host_memory():
+    """7B at 256K tokens: each layer's input is 1.75 GiB; 26 of the 28 leave the GPU (the last
+    layer's stays, and one more is in flight in the backward pass), 27 pinned host copies hold them,
+    each rounded up to 2 GiB by torch's pinned allocator. On CPUs nothing moves."""
+    tokens, layer = 262144, 262144 * 2 * 3584
+
+    def est(*extra: str, gpu: bool = True) -> memory.Estimate:
+        cpu = [] if gpu else ["scaling.use_gpu=false", "model.kernels=none", "model.attn_implementation=sdpa"]
+        return memory.estimate(memory.long_row_config(load_config(None, [*LONG_7B, *cpu, *extra]), tokens), QWEN25_7B)
+
+    plain, offloaded = est(), est("model.offload_checkpoints=true")
+    assert plain.device["activations"] - offloaded.device["activations"] == 26 * layer
+    assert plain.device_peak - offloaded.device_peak == 26 * layer
+    assert offloaded.host_worker["offloaded checkpoints"] == 27 * layer and plain.host_worker["offloaded checkpoints"] == 0
+    assert offloaded.host_worker["pinned-memory rounding"] - plain.host_worker["pinned-memory rounding"] == 27 * (2 * GIB - layer)
+    assert offloaded.host_worker_phases["training"] - plain.host_worker_phases["training"] == 27 * 2 * GIB
+    cpu, cpu_offloaded = est(gpu=False), est("model.offload_checkpoints=true", gpu=False)
+    assert cpu.device == cpu_offloaded.device and cpu_offloaded.host_worker["offloaded checkpoints"] == 0
+
+
+def test_tiled_mlp_shrinks_the_mlps_terms_to_one_tile():
+    """7B LoRA (dropout 0.05, Liger's SwiGLU) at 256K tokens, tiles of h tokens (``auto``): 74 tiles
+    of 3,543 tokens. Per token the MLP keeps gate and up (2·e·I) and its adapters' dropout outputs
+    and masks and lora_A outputs ((e + 1)·(h + h + I) + 3·e·r): 154,208 bytes. Tiled, a layer keeps
+    the MLP's input (e·h) instead, and its backward pass holds one tile's MLP bytes and gradients
+    (e·I under Liger) plus the input gradient the tiles fill (e·h per token); attention's backward
+    (37,888 bytes per token, as large as the MLP's gradients) is then the layer's largest."""
+    from zerolab.memory.activations import _attention_backward, _mlp_bytes
+    from zerolab.memory.context import EstimateContext, ZeroKnobs
+
+    tokens, e, h, inter = 262144, 2, 3584, 18944
+    mlp = 2 * e * inter + (e + 1) * (h + h + inter) + 3 * e * 16
+    tile = 3543
+
+    def est(length: int, *extra: str) -> memory.Estimate:
+        return memory.estimate(memory.long_row_config(load_config(None, [*LONG_7B, *extra]), length), QWEN25_7B)
+
+    plain, tiled = est(tokens), est(tokens, "model.tiled_mlp=auto")
+    cfg = load_config(None, LONG_7B)
+    job = EstimateContext(cfg, ModelShape.from_config(QWEN25_7B), [], ZeroKnobs.resolve(cfg, h), Option(2), None, ())  # type: ignore[arg-type]
+    assert _mlp_bytes(job) == mlp and _attention_backward(job) == 37888 == e * inter
+    saving = tokens * (mlp - e * h) - (tile * (mlp + e * inter) + tokens * e * h)
+    assert plain.device_phases["forward/backward"] - tiled.device_phases["forward/backward"] == saving
+    assert tiled.device["activations"] == plain.device["activations"] - tokens * (mlp - e * h)
+    # Without checkpointing every layer keeps e·h for its MLP instead of the MLP's bytes.
+    short, short_tiled = est(4096, "model.gradient_checkpointing=false"), est(4096, "model.gradient_checkpointing=false",
+                                                                             "model.tiled_mlp=4")
+    assert short.device["activations"] - short_tiled.device["activations"] == 28 * 4096 * (mlp - e * h)
+
+
+def test_offload_and_tiled_mlp_lengthen_the_7b_row_past_256k_on_an_80gib_gpu():
+    """7B LoRA r16 on one 80 GiB GPU (512 GiB host): checkpointing alone reaches ~125K tokens, with the
+    checkpoints offloaded ~205K, with the tiled MLP ~175K, with both ~385K."""
+    h100 = Limits(gpu_mem_bytes=80 * GIB, gpus_per_node=1, host_mem_bytes=512 * GIB)
+
+    def longest(*extra: str) -> int | None:
+        return memory.longest_row(load_config(None, [*LONG_7B, *extra]), QWEN25_7B, h100, Option(2))
+
+    assert longest() == pytest.approx(124_928, rel=0.05)
+    assert longest("model.offload_checkpoints=true") == pytest.approx(204_800, rel=0.05)
+    assert longest("model.tiled_mlp=auto") == pytest.approx(175_104, rel=0.05)
+    both = longest("model.offload_checkpoints=true", "model.tiled_mlp=auto")
+    assert both == pytest.approx(385_024, rel=0.05) and both >= 262144
+    # On a host of 64 GiB the pinned copies of the checkpoints stop it first.
+    small_host = Limits(gpu_mem_bytes=80 * GIB, gpus_per_node=1, host_mem_bytes=64 * GIB)
+    cfg = load_config(None, [*LONG_7B, "model.offload_checkpoints=true", "model.tiled_mlp=auto"])
+    assert memory.longest_row(cfg, QWEN25_7B, small_host, Option(2)) < 262144

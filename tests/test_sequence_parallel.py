@@ -98,7 +98,7 @@ def step_batches(rank: int, sp: int) -> list:
     return of(rank) if sp == 1 else of(0) + of(1)
 
 
-def sp_worker(rank: int, sp: int, stage: int, port: int, results: dict) -> None:
+def sp_worker(rank: int, sp: int, stage: int, extra: tuple[str, ...], port: int, results: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
                       DS_ACCELERATOR="cpu")
     import deepspeed
@@ -117,7 +117,7 @@ def sp_worker(rank: int, sp: int, stage: int, port: int, results: dict) -> None:
     all_to_all = ulysses_sp._dim_zero_all_to_all
     ulysses_sp._dim_zero_all_to_all = lambda group, x: exchanges.append(x.shape) or all_to_all(group, x)
     cfg = load_config(None, ["adapter.dropout=0", "scaling.num_workers=2", f"scaling.sequence_parallel_size={sp}",
-                             f"deepspeed.stage={stage}"])
+                             f"deepspeed.stage={stage}", *extra])
     ulysses = UlyssesAttention()
     torch.manual_seed(0)
     model = build_model(cfg, {}, total_steps=10, zero3=Zero3Loading(), ulysses=ulysses)
@@ -133,6 +133,7 @@ def sp_worker(rank: int, sp: int, stage: int, port: int, results: dict) -> None:
     trainable = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(trainable, lr=1.0), config=config,
                                       mpu=ulysses.mpu, dist_init_required=False)
+    engine.train()  # as the worker's loop does (gradient checkpointing runs in training mode only)
     before = {k: p.detach().clone() for k, p in engine.module.named_parameters() if p.requires_grad}
     loss, _ = optimizer_step(engine, batches, torch.device("cpu"))
     dist.all_reduce(loss)  # each rank's share times dp: the ranks sum to dp × the step's token mean
@@ -144,10 +145,10 @@ def sp_worker(rank: int, sp: int, stage: int, port: int, results: dict) -> None:
     ulysses.close()
 
 
-def run_two_ranks(sp: int, stage: int) -> dict:
+def run_two_ranks(sp: int, stage: int, extra: tuple[str, ...] = ()) -> dict:
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(sp_worker, args=(sp, stage, free_port(), results), nprocs=2)
+        mp.spawn(sp_worker, args=(sp, stage, extra, free_port(), results), nprocs=2)
         return dict(results)
 
 
@@ -163,4 +164,20 @@ def test_sequence_parallel_step_matches_data_parallel_step(stage):
     assert plain["applied"].keys() == split["applied"].keys() and plain["applied"]
     for key, update in plain["applied"].items():
         assert update.abs().max() > 0, key
+        torch.testing.assert_close(split["applied"][key], update, rtol=1e-4, atol=1e-6, msg=key)
+
+
+LONG_ROWS = ("model.gradient_checkpointing=true", "model.offload_checkpoints=true", "model.tiled_mlp=2")
+
+
+@pytest.mark.slow
+def test_long_row_settings_under_sequence_parallelism_match_data_parallel_step():
+    """Checkpoint offload and the tiled MLP on each rank's slice of the row, with the sequence-parallel
+    attention recomputed in the backward pass: the loss and update of the plain data-parallel step."""
+    plain, split = run_two_ranks(1, 2), run_two_ranks(2, 2, LONG_ROWS)
+    # The all-to-alls of every layer's forward, then again of its recomputation.
+    assert split["exchanges"] == 2 * 4 * len(split["widths"]) * 4
+    assert split["loss"] == pytest.approx(plain["loss"], rel=1e-5)
+    assert plain["applied"].keys() == split["applied"].keys() and plain["applied"]
+    for key, update in plain["applied"].items():
         torch.testing.assert_close(split["applied"][key], update, rtol=1e-4, atol=1e-6, msg=key)

@@ -58,6 +58,28 @@ class ModelSpec:
     """Fused kernels: Liger Kernel's Triton RMSNorm, SwiGLU, RoPE and linear + cross-entropy (`auto`: on GPU where the package is installed; `liger`: required) and LoRA's scale+add fused into one matrix product (any device, ZeRO 0-2); `none`: Hugging Face's and peft's own modules."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about a third more compute."""
+    offload_checkpoints: bool = False
+    """With `gradient_checkpointing`: keep each decoder layer's checkpoint (its input hidden states, e·h bytes per token) in pinned host memory between the forward and the backward pass, copied on a side stream while the layers compute; the last layer's stays on the GPU, and one more is in flight in the backward pass. Frees (L − 2)·e·h bytes per token of GPU memory and pins (L − 1) copies on the host (7B at 256K tokens: 45 GiB freed, 54 GiB pinned in power-of-two blocks); on CPU it is a plain copy (docs/memory.md#long-rows)."""
+    tiled_mlp: int | Literal["auto"] = 0
+    """Compute each decoder layer's MLP over this many tiles of the micro-batch's tokens and recompute them one at a time in the backward pass, so that its tokens × intermediate tensors exist for one tile only (one more MLP forward per step); `auto`: tiles of `hidden_size` tokens (ALST's choice); 0 or 1: off. Not with `compile`."""
+    rope_scaling: Literal["none", "linear", "dynamic", "yarn"] = "none"
+    """RoPE scaling set on the model's config as it loads, for rows past its trained length (`max_position_embeddings`): `linear` (position interpolation), `dynamic` (NTK-aware, grows with the row), `yarn`, each by `rope_factor`; `none`: the model's own (a scaling in its config.json stays)."""
+    rope_factor: float = 1.0
+    """With `rope_scaling`: how many times its trained length the model's positions then reach (more than 1); rows may be up to `max_position_embeddings` × this long."""
+    rope_original_max_position_embeddings: int | None = None
+    """With `rope_scaling: yarn`: the length the model was trained at; empty: its `max_position_embeddings`."""
+
+    def positions(self, max_position_embeddings: int) -> int:
+        """The longest row a model whose config gives `max_position_embeddings` takes under `rope_scaling`:
+        that length, or the trained length (yarn: `rope_original_max_position_embeddings` where given) × `rope_factor`."""
+        if self.rope_scaling == "none":
+            return max_position_embeddings
+        trained = self.rope_original_max_position_embeddings if self.rope_scaling == "yarn" else None
+        return int((trained or max_position_embeddings) * self.rope_factor)
+
+    def tiles_mlp(self) -> bool:
+        """Whether `tiled_mlp` tiles the MLP (`auto` or more than one tile)."""
+        return self.tiled_mlp == "auto" or self.tiled_mlp > 1
     compile: bool = False
     """`torch.compile` each decoder layer (regional: the compiled graphs serve every layer; fewer, fused kernels); the first steps compile, and a graph that fails to compile runs eagerly with a warning saying why. Inductor then generates the norm, RoPE and SwiGLU kernels (Liger's fused loss stays). Meant for GPUs (0.5B on one H100: +2.4%, after ≈ 33 s of compiling; docs/benchmark.md); on CPU it is slower."""
     fp8: bool = False
@@ -443,6 +465,7 @@ def validate(cfg: SFTConfig) -> list[str]:
 
     p.extend(_quantization_problems(cfg))
     p.extend(_sequence_parallel_problems(cfg))
+    p.extend(_long_row_problems(cfg))
 
     if d.task == "custom" and not d.train_path:
         p.append("data.train_path: required when data.task=custom (there is no generator); give a JSON/JSONL/Parquet file")
@@ -521,6 +544,42 @@ def _sequence_parallel_problems(cfg: SFTConfig) -> list[str]:
         p.append("adapter.method: adalora adds its orthogonality penalty to every rank's loss, and sequence parallelism "
                  "sums the gradients of a row's slices over its group, so the penalty would count "
                  f"{sp} times; use lora (or another adapter), or scaling.sequence_parallel_size=1")
+    return p
+
+
+ROPE_SCALINGS_WITH_ORIGINAL_LENGTH = ("yarn",)
+"""The ``model.rope_scaling`` types that take ``rope_original_max_position_embeddings``."""
+
+
+def _long_row_problems(cfg: SFTConfig) -> list[str]:
+    """What the long-row settings (checkpoint offload, tiled MLP, RoPE scaling) need and rule out."""
+    m, p = cfg.model, []
+    if m.offload_checkpoints and not m.gradient_checkpointing:
+        p.append("model.offload_checkpoints: offloads the checkpoints of gradient checkpointing, which is off; set "
+                 "model.gradient_checkpointing=true or model.offload_checkpoints=false")
+    if m.tiled_mlp != "auto" and m.tiled_mlp < 0:
+        p.append(f"model.tiled_mlp: {m.tiled_mlp} is not allowed; use a number of tiles (0 or 1: off) or auto")
+    if m.tiles_mlp() and m.compile:
+        p.append("model.tiled_mlp: not with model.compile (a compiled layer traces the MLP whole); set one of "
+                 "model.tiled_mlp=0 or model.compile=false")
+    if m.tiled_mlp == "auto" and cfg.deepspeed.stage == 3 and not cfg.deepspeed.z3_leaf_layers:
+        p.append("model.tiled_mlp: auto sizes the tiles by each rank's own rows, and ZeRO-3 without leaf layers gathers "
+                 "the MLP's weights once per tile, a collective every rank must make as often; give a number of tiles "
+                 "or set deepspeed.z3_leaf_layers=true")
+    if m.rope_scaling == "none":
+        if m.rope_factor != 1.0:
+            p.append(f"model.rope_factor: {m.rope_factor} is set but model.rope_scaling is none; choose a scaling "
+                     "(linear, dynamic, yarn) or leave model.rope_factor at 1")
+    elif not m.rope_factor > 1.0:
+        p.append(f"model.rope_factor: {m.rope_factor} with model.rope_scaling={m.rope_scaling} would not reach past the "
+                 "model's trained length; use a factor above 1, e.g. 4.0 for four times the trained length")
+    if m.rope_original_max_position_embeddings is not None:
+        if m.rope_scaling not in ROPE_SCALINGS_WITH_ORIGINAL_LENGTH:
+            p.append(f"model.rope_original_max_position_embeddings: only model.rope_scaling=yarn takes it (got "
+                     f"{m.rope_scaling}); set model.rope_scaling=yarn or leave it empty")
+        elif m.rope_original_max_position_embeddings < 1:
+            p.append(f"model.rope_original_max_position_embeddings: {m.rope_original_max_position_embeddings} is not "
+                     "allowed; give the length the model was trained at, or leave it empty for its max_position_embeddings")
     return p
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerolab import adapters, kernels
+from zerolab import adapters, kernels, long_rows
 from zerolab.config import SFTConfig
 from zerolab.models import decoder_layers, load_model, load_model_config
 from zerolab.sequence_parallel import UlyssesAttention
@@ -56,6 +56,9 @@ def build_model(cfg: SFTConfig, ds_config: dict, total_steps: int, *, zero3: Zer
     Under ZeRO-3 it turns ``zero3`` on (the caller keeps it open while it trains, and closes it).
     A quantized base (``model.quantization``) loads through bitsandbytes (``zerolab.quantization``).
 
+    Long rows (``zerolab.long_rows``): with ``model.tiled_mlp`` each decoder layer's MLP runs over
+    sequence tiles, and with ``model.offload_checkpoints`` each layer's checkpoint goes to host memory.
+
     With ``scaling.sequence_parallel_size`` > 1 it turns ``ulysses`` on (the sequence-parallel
     groups and attention, ``zerolab.sequence_parallel``) before the model loads; the caller closes it."""
     if ulysses is not None and cfg.scaling.sequence_parallel_size > 1:
@@ -89,6 +92,13 @@ def build_model(cfg: SFTConfig, ds_config: dict, total_steps: int, *, zero3: Zer
     if cfg.model.fp8:
         layers, reason = kernels.use_fp8(model, device, cfg.model.fp8_min_features)
         log_rank0("FP8 base products: %s", f"{layers} frozen linear layers" if layers else f"off, {reason}")
+    if cfg.model.tiles_mlp():
+        log_rank0("tiled MLP: %d decoder layers' MLPs over %s tiles of each micro-batch's tokens", long_rows.tile_mlps(model, cfg.model.tiled_mlp),
+                  "hidden-size" if cfg.model.tiled_mlp == "auto" else cfg.model.tiled_mlp)
+    if cfg.model.offload_checkpoints:
+        offload = long_rows.offload_checkpoints(model)
+        log_rank0("checkpoint offload: the inputs of %d of %d decoder layers go to host memory between the forward and "
+                  "the backward pass", offload.num_layers - 1, offload.num_layers)
     if cfg.model.compile:
         log_rank0("torch.compile: %d decoder layers (the first steps compile)", kernels.compile_layers(decoder_layers(model)))
     return model

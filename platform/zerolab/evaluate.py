@@ -190,7 +190,8 @@ def evaluate_after_training(cfg: Any, uri: str, run_id: str, tuned_folder: str |
     e = cfg.eval
     tuned, kind = find_model_folder(Path(tuned_folder), str(tuned_folder))
     target = Target(base=cfg.model.name_or_path, tuned_path=str(tuned), tuned_kind=kind, source=str(tuned_folder), run_id=run_id,
-                    quantization=cfg.model.quantization)
+                    quantization=cfg.model.quantization,
+                    rope=(cfg.model.rope_scaling, cfg.model.rope_factor, cfg.model.rope_original_max_position_embeddings))
     options = EvalOptions(task=cfg.data.task, data_path=dataset_paths(cfg)["eval"], num_examples=e.num_examples or None,
                           system_prompt=cfg.data.system_prompt, batch_size=e.batch_size, max_new_tokens=e.max_new_tokens,
                           compare_base=e.compare_base, workers=eval_workers(cfg), device="cuda" if cfg.scaling.use_gpu else "cpu",

@@ -38,7 +38,9 @@ def export_merged(target: Target, output: str | Path, *, dtype: DType = "auto", 
     if method not in MERGEABLE_METHODS:
         raise EvaluationError(f"the adapter {target.source} is a {method} adapter, which peft cannot merge into the base weights; "
                               "serve it as an adapter on its base model", input="adapter")
-    spec = ModelSpec(name_or_path=target.base, quantization=target.quantization)  # type: ignore[arg-type]
+    scaling, factor, original = target.rope  # the merged model's config carries the scaling it was trained with
+    spec = ModelSpec(name_or_path=target.base, quantization=target.quantization, rope_scaling=scaling,  # type: ignore[arg-type]
+                     rope_factor=factor, rope_original_max_position_embeddings=original)
     torch_dtype = _saved_dtype(spec) if dtype == "auto" else DTYPES[dtype]
     tokenizer = load_tokenizer(spec)
     base = load_model(spec, torch_dtype)

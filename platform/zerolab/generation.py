@@ -152,9 +152,11 @@ class Generator:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
+        scaling, factor, original = self.spec.rope
         model_spec = ModelSpec(name_or_path=self.spec.name_or_path, revision=self.spec.revision,  # type: ignore[arg-type]
                                trust_remote_code=self.spec.trust_remote_code, attn_implementation=self.spec.attn_implementation,
-                               quantization=self.spec.quantization)
+                               quantization=self.spec.quantization, rope_scaling=scaling, rope_factor=factor,
+                               rope_original_max_position_embeddings=original)
         self.tokenizer = load_tokenizer(model_spec)
         self.tokenizer.padding_side = "left"
         model = load_model(model_spec, DTYPES[dtype], self.device)

@@ -267,6 +267,7 @@ def load_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | None 
     quantization = bnb_config(spec.quantization, dtype)
     try:
         config = AutoConfig.from_pretrained(path, revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+        apply_rope_scaling(config, spec)
         # bitsandbytes quantizes each tensor as it reaches the device (a quantized model cannot be moved after).
         by_map = device is not None and (quantization is not None or saved_dtype(config) not in (None, dtype))
         model = AutoModelForCausalLM.from_pretrained(
@@ -289,6 +290,25 @@ def load_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | None 
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     return model
+
+
+def apply_rope_scaling(config: Any, spec: ModelSpec) -> None:
+    """Set ``spec.rope_scaling`` (with ``rope_factor`` and, for yarn, the trained length) on a
+    transformers ``config`` as it loads; nothing for ``none``. transformers 5 keeps RoPE's settings in
+    ``config.rope_parameters`` (``rope_theta`` and the model's own scaling among them), which this
+    updates and has transformers validate."""
+    if spec.rope_scaling == "none":
+        return
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    for stale in ("type", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "short_factor",
+                  "long_factor", "low_freq_factor", "high_freq_factor", "mscale", "mscale_all_dim"):
+        params.pop(stale, None)  # another scaling's settings (the config's own) would not validate for this one
+    params.update(rope_type=spec.rope_scaling, factor=float(spec.rope_factor))
+    if spec.rope_scaling == "yarn":
+        params["original_max_position_embeddings"] = spec.rope_original_max_position_embeddings or config.max_position_embeddings
+    config.rope_parameters = params
+    if hasattr(config, "validate_rope"):
+        config.validate_rope()
 
 
 def saved_dtype(config: Any) -> torch.dtype | None:

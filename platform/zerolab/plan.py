@@ -28,6 +28,7 @@ from zerolab.data import (
 )
 from zerolab.errors import EnvironmentProblem
 from zerolab.memory import Limits, ShardLengths
+from zerolab.memory.shapes import max_position_embeddings, rope_scaling_fix
 
 logger = logging.getLogger("zerolab")
 
@@ -279,6 +280,7 @@ def check_against_model(cfg: SFTConfig, model_config: Any, deepspeed_file: Path)
                 f"adapter.target_modules: {missing} are not linear modules of {cfg.model.name_or_path}; "
                 f"choose from {sorted(linear)} or use [all-linear]"
             )
+    problems.extend(_position_problems(cfg, model_config))
     hidden = model_config.get("hidden_size") if isinstance(model_config, dict) else getattr(model_config, "hidden_size", None)
     resolved: dict[str, Any] = {}
     try:
@@ -289,6 +291,21 @@ def check_against_model(cfg: SFTConfig, model_config: Any, deepspeed_file: Path)
         raise ConfigError(problems)
     return resolved
 
+
+
+def _position_problems(cfg: SFTConfig, model_config: Any) -> list[str]:
+    """A set ``data.max_seq_length`` past the positions the model reaches: its ``max_position_embeddings``,
+    times ``model.rope_factor`` with ``model.rope_scaling`` (``auto`` stops there by itself)."""
+    length = cfg.data.max_seq_length
+    reach = max_position_embeddings(model_config, cfg.model)
+    if length == "auto" or reach is None or length <= reach:
+        return []
+    m = cfg.model
+    where = ("its max_position_embeddings" if m.rope_scaling == "none"
+             else f"model.rope_scaling={m.rope_scaling} with model.rope_factor={m.rope_factor:g}")
+    return [f"data.max_seq_length: {length:,} tokens is past the {reach:,} positions {m.name_or_path} reaches ({where}), where "
+            f"its positions would be ones it never trained on; set {' and '.join(rope_scaling_fix(length, model_config, m))} "
+            f"(RoPE scaling to {length:,} tokens), or lower data.max_seq_length to {reach} or less"]
 
 
 def prepare_data(cfg: SFTConfig, model_path: str, shared: dict[str, PreparedSplit] | None = None) -> dict[str, PreparedSplit]:

@@ -37,6 +37,8 @@ class LoadSpec:
     attn_implementation: str = "sdpa"
     quantization: str = "none"
     """``model.quantization`` of the base (a QLoRA adapter is evaluated on the base quantized as it was trained)."""
+    rope: tuple[str, float, int | None] = ("none", 1.0, None)
+    """``model.rope_scaling``, ``rope_factor`` and ``rope_original_max_position_embeddings`` the base loads with (as trained)."""
 
 
 @dataclass
@@ -55,6 +57,9 @@ class Target:
     experiment_id: str | None = None
     quantization: str = "none"
     """How the base loads (``model.quantization``): as the training run trained on it, unless given."""
+    rope: tuple[str, float, int | None] = ("none", 1.0, None)
+    """The RoPE scaling the base loads with: the training run's (``model.rope_scaling``, ``rope_factor``,
+    ``rope_original_max_position_embeddings``), so that positions past the trained length mean what they meant in training."""
 
     def param(self, key: str) -> str | None:
         """A training-run param, None when missing or empty (MLflow stores None as '')."""
@@ -70,10 +75,10 @@ class Target:
                                       input="merge")
             return LoadSpec(name_or_path=self.tuned_path)
         assert self.base is not None, "an adapter target always knows its base model"
-        return LoadSpec(name_or_path=self.base, adapter_path=self.tuned_path, merge=merge, quantization=self.quantization)
+        return LoadSpec(name_or_path=self.base, adapter_path=self.tuned_path, merge=merge, quantization=self.quantization, rope=self.rope)
 
     def base_spec(self) -> LoadSpec | None:
-        return LoadSpec(name_or_path=self.base, quantization=self.quantization) if self.base else None
+        return LoadSpec(name_or_path=self.base, quantization=self.quantization, rope=self.rope) if self.base else None
 
 
 def resolve_target(adapter: str | None, model: str | None, tracking_uri: str, download_dir: str | Path, *,
@@ -120,7 +125,14 @@ def resolve_target(adapter: str | None, model: str | None, tracking_uri: str, do
     return Target(base=base, tuned_path=str(tuned), tuned_kind=kind, source=adapter, run_id=run_id, run_params=params,
                   run_name=run.info.run_name if run is not None else None,
                   experiment_id=run.info.experiment_id if run is not None else None,
-                  quantization=quantization or params.get("model.quantization") or "none")
+                  quantization=quantization or params.get("model.quantization") or "none", rope=rope_of(params))
+
+
+def rope_of(params: dict[str, str]) -> tuple[str, float, int | None]:
+    """The RoPE scaling a training run's params (MLflow's strings, '' for empty) say its base loaded with."""
+    original = params.get("model.rope_original_max_position_embeddings")
+    return (params.get("model.rope_scaling") or "none", float(params.get("model.rope_factor") or 1.0),
+            int(original) if original else None)
 
 
 def find_model_folder(folder: Path, ref: str) -> tuple[Path, Literal["adapter", "full"]]:

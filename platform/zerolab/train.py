@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from zerolab import adapters, perf, snapshot
+from zerolab import adapters, long_rows, perf, snapshot
 from zerolab.batches import Batch, MicroBatches
 from zerolab.cadence import STOPPED_AT_DEADLINE, Cadence, MetricWindow
 from zerolab.config import SFTConfig
@@ -236,7 +236,8 @@ def _start_tracking(s: _Setup, stack: contextlib.ExitStack, start_step: int) -> 
         return _NoTracker()
     return _open_tracker(s.plan.tracking, start_step, {"derived.trainable_params": s.trainable, "derived.total_params": s.total,
                                                        "derived.total_steps": s.total_steps,
-                                                       "derived.fp8_layers": _fp8_layers(s.engine.module)})
+                                                       "derived.fp8_layers": _fp8_layers(s.engine.module),
+                                                       **_long_row_params(s.engine.module)})
 
 
 def _open_tracker(tracking: TrackingTarget, start_step: int, params: dict[str, Any]) -> MetricsLogger:
@@ -280,6 +281,11 @@ def _total_steps(cfg: SFTConfig, batches_per_epoch: int, device: torch.device) -
     n = torch.tensor(batches_per_epoch, device=device)
     dist.all_reduce(n, op=dist.ReduceOp.MIN)
     return max(1, cfg.train.num_epochs * (int(n.item()) // cfg.train.grad_accum_steps))
+
+
+def _long_row_params(model: torch.nn.Module) -> dict[str, int]:
+    offloaded, tiled = long_rows.long_row_modules(model)
+    return {"derived.offloaded_checkpoint_layers": offloaded, "derived.tiled_mlps": tiled}
 
 
 def _fp8_layers(model: torch.nn.Module) -> int:

@@ -98,8 +98,8 @@ def prepare_split(split: str, path: str, cfg: SFTConfig, model_path: str) -> Pre
 
     The cache (``<zerolab cache>/tokenized/<key>/``, on the driver) is keyed by :func:`cache_key`:
     the files' bytes, the tokenizer's files, the chat template, system prompt, task,
-    ``data.max_seq_length`` (with ``auto``, the model's ``max_position_embeddings``, the longest row
-    it then accepts) and :data:`TOKENIZED_FORMAT`; ``data.packing`` is not part of it
+    ``data.max_seq_length`` (with ``auto``, the longest row the model then accepts: its
+    ``max_position_embeddings``, times ``model.rope_factor`` under ``model.rope_scaling``) and :data:`TOKENIZED_FORMAT`; ``data.packing`` is not part of it
     (packing happens in the batcher). Local inputs up to :data:`DRIVER_MAX_BYTES` are prepared in
     this process; larger or remote ones with Ray Data, which the caller has connected where
     :func:`needs_ray_data` says so (remote ones are not cached: their bytes are not read here).
@@ -122,7 +122,8 @@ def prepare_split(split: str, path: str, cfg: SFTConfig, model_path: str) -> Pre
     data_fingerprint = fingerprint(files)
     auto = cfg.data.max_seq_length == "auto"
     # With auto every row the model can take is kept; the length is resolved from them (resolve_max_seq_length).
-    limit = max_positions(model) if auto else cfg.data.max_seq_length
+    trained = max_positions(model) if auto else None
+    limit = (cfg.model.positions(trained) if trained else None) if auto else cfg.data.max_seq_length
     limit_key = "max_position_embeddings" if auto else "data.max_seq_length"
     key = cache_key(data_fingerprint, model, system_prompt=system_prompt, task=cfg.data.task,
                     max_seq_length=cfg.data.max_seq_length, max_positions=limit if auto else None)
@@ -152,9 +153,11 @@ def prepare_split(split: str, path: str, cfg: SFTConfig, model_path: str) -> Pre
 
 def data_identity(cfg: SFTConfig) -> tuple:
     """What decides a job's prepared splits, compared between a sweep's base job and its trials:
-    the data section (``data.packing`` aside: packing happens in the batcher) and the model whose
-    tokenizer reads it."""
-    return replace(cfg.data, packing=False), cfg.model.name_or_path, cfg.model.revision, cfg.model.trust_remote_code
+    the data section (``data.packing`` aside: packing happens in the batcher), the model whose
+    tokenizer reads it and, with ``data.max_seq_length: auto``, its RoPE scaling (the longest row kept)."""
+    m = cfg.model
+    rope = (m.rope_scaling, m.rope_factor, m.rope_original_max_position_embeddings) if cfg.data.max_seq_length == "auto" else ()
+    return replace(cfg.data, packing=False), m.name_or_path, m.revision, m.trust_remote_code, rope
 
 
 def cache_key(data_fingerprint: str, model: dict[str, Any], *, system_prompt: str, task: str, max_seq_length: int | str,

@@ -10,9 +10,12 @@ from zerolab.memory.context import EstimateContext
 from zerolab.memory.shapes import target_projections
 from zerolab.memory.units import pow2
 
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
 
 def activation_bytes_per_layer(job: EstimateContext) -> int:
-    """Bytes one decoder layer saves for backward, per token, without checkpointing.
+    """Bytes one decoder layer saves for backward, per token, without checkpointing or tiling: the
+    rest of the layer (:func:`_attention_bytes`) and its MLP (:func:`_mlp_bytes`).
 
     Each term is a tensor autograd keeps (checked against ``saved_tensors_hooks``):
     RMSNorm ×2: its fp32 input copy and rsqrt, 4h + 4, plus the normalised input when the norm
@@ -33,38 +36,64 @@ def activation_bytes_per_layer(job: EstimateContext) -> int:
     (its default) every projection keeps its input, frozen or not: e·h for q/k/v and for
     gate/up, e·I for down, where nothing else keeps them.
     """
+    return _attention_bytes(job) + _mlp_bytes(job)
+
+
+def _attention_bytes(job: EstimateContext) -> int:
+    """What a layer keeps per token outside its MLP: its two norms, attention, q/k/v/o's inputs and adapters."""
     s, e = job.shape, job.e
-    h, inter, s_len = s.hidden_size, s.intermediate_size, job.seq_len
-    full = not job.peft
+    h, s_len = s.hidden_size, job.seq_len
     attn = job.attn
-    targets, _ = target_projections(job.cfg.adapter)
-    targets = [t for t in targets if t != "lm_head"]
-    dropout = job.peft and job.cfg.adapter.dropout > 0
-    mask_bytes = 1 if job.gpu else e
     # Flash kernels (flash_attention_2, varlen) take fewer K/V heads; so does SDPA without a mask
     # (varlen's unpacked batches), but transformers repeats K/V for SDPA with one.
     gqa_repeat = attn not in ("flash_attention_2", "varlen") and s.num_kv_heads != s.num_heads
-
-    def input_kept(group: Sequence[str]) -> bool:
-        if full or job.knobs.memory_efficient_linear:
-            return True
-        return not dropout and any(t in targets for t in group)
-
-    total = 2 * _norm_bytes(job, trains=full)
+    total = 2 * _norm_bytes(job, trains=not job.peft)
     kv = s.q_dim if gqa_repeat else s.kv_dim
     total += e * (s.q_dim + 2 * kv)
     if attn == "eager":
         # fp32 softmax probabilities and their cast to e; o_proj's input is a transposed copy.
-        total += (4 + (e if e != 4 else 0)) * s.num_heads * s_len + e * s.q_dim * input_kept(("o_proj",))
+        total += (4 + (e if e != 4 else 0)) * s.num_heads * s_len + e * s.q_dim * _input_kept(job, ("o_proj",))
     else:
         total += e * s.q_dim + 4 * s.num_heads  # the kernel's output (o_proj's input) and log-sum-exp
         total += e * s_len if attn == "sdpa" else 0
-    total += (2 if job.liger else 3) * e * inter
-    total += e * h * input_kept(("q_proj", "k_proj", "v_proj")) + e * h * input_kept(("gate_proj", "up_proj"))
-    total += e * inter * input_kept(("down_proj",))
+    total += e * h * _input_kept(job, ("q_proj", "k_proj", "v_proj"))
+    return total + _adapter_bytes(job, [t for t in _layer_targets(job) if t not in MLP_PROJECTIONS])
+
+
+def _mlp_bytes(job: EstimateContext) -> int:
+    """What a layer's MLP keeps per token: gate, up and their product's outputs, its projections'
+    inputs where kept, its adapters."""
+    e, inter, h = job.e, job.shape.intermediate_size, job.shape.hidden_size
+    total = (2 if job.liger else 3) * e * inter
+    total += e * h * _input_kept(job, ("gate_proj", "up_proj")) + e * inter * _input_kept(job, ("down_proj",))
+    return total + _adapter_bytes(job, [t for t in _layer_targets(job) if t in MLP_PROJECTIONS])
+
+
+def _layer_targets(job: EstimateContext) -> list[str]:
+    return [t for t in target_projections(job.cfg.adapter)[0] if t != "lm_head"]
+
+
+def _input_kept(job: EstimateContext, group: Sequence[str]) -> bool:
+    """Whether the (shared) input of the projections ``group`` is kept for their backward: they
+    train (full fine-tuning), ZeRO-3's ``memory_efficient_linear`` keeps it, or an adapter without
+    dropout on one of them reads it."""
+    if not job.peft or job.knobs.memory_efficient_linear:
+        return True
+    dropout = job.cfg.adapter.dropout > 0
+    return not dropout and any(t in _layer_targets(job) for t in group)
+
+
+def _adapter_bytes(job: EstimateContext, targets: Sequence[str]) -> int:
+    """Per token, what the adapters of ``targets`` keep (see :func:`activation_bytes_per_layer`)."""
+    if not job.peft:
+        return 0
+    e = job.e
+    dropout = job.cfg.adapter.dropout > 0
+    mask_bytes = 1 if job.gpu else e
     rank = job.cfg.adapter.adalora_init_r if job.cfg.adapter.method == "adalora" else job.cfg.adapter.r
+    total = 0
     for name in targets:
-        fan_in, fan_out = s.linear_shapes()[name]
+        fan_in, fan_out = job.shape.linear_shapes()[name]
         if dropout:
             total += (e + mask_bytes) * fan_in
         total += e * rank
@@ -75,11 +104,42 @@ def activation_bytes_per_layer(job: EstimateContext) -> int:
     return total
 
 
+def saved_per_layer(job: EstimateContext) -> int:
+    """Bytes per token one decoder layer keeps from its forward to its backward pass, without
+    checkpointing: :func:`activation_bytes_per_layer`, or with the tiled MLP (``model.tiled_mlp``)
+    the rest of the layer and the MLP's input (e·h), which is all the tiled MLP keeps."""
+    if not job.cfg.model.tiles_mlp():
+        return activation_bytes_per_layer(job)
+    return _attention_bytes(job) + job.e * job.shape.hidden_size
+
+
+def mlp_tile_tokens(job: EstimateContext) -> int:
+    """Tokens of one tile of the tiled MLP (``zerolab.long_rows.mlp_tiles``); all of the
+    micro-batch's without tiling."""
+    if not job.cfg.model.tiles_mlp():
+        return job.tokens
+    from zerolab.long_rows import mlp_tiles  # imports torch, which the estimator otherwise does not
+
+    return math.ceil(job.tokens / mlp_tiles(job.cfg.model.tiled_mlp, job.tokens, job.shape.hidden_size))
+
+
+def mlp_tile(job: EstimateContext) -> int:
+    """With the tiled MLP, while a layer's backward pass recomputes one tile: the tile's MLP
+    activations and their gradients (:func:`_mlp_bytes` and the MLP's share of
+    :func:`backward_gradients`, per tile token), plus the MLP input's gradient the tiles fill
+    (e·h per token of the micro-batch). 0 without tiling."""
+    if not job.cfg.model.tiles_mlp():
+        return 0
+    e = job.e
+    grads = (1 if job.liger else 3) * e * job.shape.intermediate_size
+    return mlp_tile_tokens(job) * (_mlp_bytes(job) + grads) + job.tokens * e * job.shape.hidden_size
+
+
 def activations(job: EstimateContext) -> int:
     """Activations saved for the backward pass of one micro-batch of B·S tokens. Without
-    checkpointing: L × the per-layer bytes (less what the first layer of an adapter run skips).
-    With checkpointing (non-reentrant, per decoder layer) each layer keeps only its input
-    (:func:`checkpointed_inputs`). Both add the final norm (as a layer's norm, when the head or
+    checkpointing: L × the per-layer bytes (:func:`saved_per_layer`, less what the first layer of
+    an adapter run skips). With checkpointing (non-reentrant, per decoder layer) each layer keeps
+    only its input (:func:`checkpointed_inputs`, on the host but two with checkpoint offload). Both add the final norm (as a layer's norm, when the head or
     the norm trains), RoPE cos/sin (2·e·head_dim), the ids and labels (16 bytes), with packing
     the position ids (8 bytes), and for SDPA and eager attention the boolean B×1×S×S mask that
     transformers builds from the padding or, packed, from the position ids (S bytes per token;
@@ -96,29 +156,71 @@ def activations(job: EstimateContext) -> int:
     other += job.seq_len if _builds_mask(job) else 0
     if job.cfg.model.gradient_checkpointing:
         return checkpointed_inputs(job) + job.tokens * other
-    layers = s.num_layers * activation_bytes_per_layer(job) - _first_layer_saving(job)
+    layers = s.num_layers * saved_per_layer(job) - _first_layer_saving(job)
     return job.tokens * (layers + other)
 
 
+def mlp_tile_forward(job: EstimateContext) -> int:
+    """With the tiled MLP, during a layer's forward pass: one tile's gate, up and product outputs
+    (3·e·I per tile token), freed before the next tile. 0 without tiling."""
+    return mlp_tile_tokens(job) * 3 * job.e * job.shape.intermediate_size if job.cfg.model.tiles_mlp() else 0
+
+
 def checkpointed_inputs(job: EstimateContext) -> int:
-    """With gradient checkpointing, what the decoder layers keep between the forward and the
-    backward pass: each layer's input, L·B·S·e·h, on the GPU (0 without checkpointing). At long
-    rows this is the largest activation term (7B: 196 KiB per token, 49 GiB at 256K tokens); it
-    is what offloading the checkpoints to host memory (ALST) would move off the GPU."""
+    """With gradient checkpointing, what the decoder layers keep on the GPU between the forward and
+    the backward pass: each layer's input, L·B·S·e·h (0 without checkpointing). At long rows this is
+    the largest activation term (7B: 196 KiB per token, 49 GiB at 256K tokens). With checkpoint
+    offload (``model.offload_checkpoints``, GPUs) :func:`checkpoints_on_device` of them stay."""
     if not job.cfg.model.gradient_checkpointing:
         return 0
-    return job.tokens * job.shape.num_layers * job.e * job.shape.hidden_size
+    return job.tokens * checkpoints_on_device(job) * job.e * job.shape.hidden_size
+
+
+def offloads_checkpoints(job: EstimateContext) -> bool:
+    """Whether the checkpoints go to host memory: ``model.offload_checkpoints`` on GPUs (on a CPU the
+    offload is a plain copy within the same memory, and the estimate keeps them where they were)."""
+    return job.cfg.model.offload_checkpoints and job.cfg.model.gradient_checkpointing and job.gpu
+
+
+def checkpoints_on_device(job: EstimateContext) -> int:
+    """Layer inputs on the GPU at the peak: all L; with checkpoint offload two (``zerolab.long_rows``):
+    the last layer's, which never leaves, while the backward pass starts, then the input of the layer
+    being recomputed and the next one's, copied back ahead of it."""
+    layers = job.shape.num_layers
+    return min(layers, 2) if offloads_checkpoints(job) else layers
+
+
+def offloaded_checkpoints(job: EstimateContext) -> list[int]:
+    """With checkpoint offload, the pinned host copies of a micro-batch's checkpoints: one of
+    B·S·e·h bytes per layer but the last (torch's pinned allocator rounds each up to a power of two,
+    :func:`zerolab.memory.host.host_components`). Empty otherwise."""
+    if not offloads_checkpoints(job):
+        return []
+    return [job.tokens * job.e * job.shape.hidden_size] * (job.shape.num_layers - 1)
 
 
 def backward_gradients(job: EstimateContext) -> int:
     """Gradients in flight while a decoder layer's backward pass runs, on top of what it saved:
-    the gradient of the residual stream reaching it (e·h per token) and the MLP's, the largest:
-    the gradient of down_proj's input (e·I) and, from Hugging Face's SiLU × up, the gradients
-    of the gate and up outputs (2·e·I more; Liger's SwiGLU writes them in place of its saved
-    inputs). Derived from what autograd allocates, not yet measured: negligible beside the loss
-    region at short rows, a tenth of the per-token bytes at long ones."""
+    the gradient of the residual stream reaching it (e·h per token) and the larger of the MLP's and
+    attention's. The MLP's: the gradient of down_proj's input (e·I) and, from Hugging Face's
+    SiLU × up, the gradients of the gate and up outputs (2·e·I more; Liger's SwiGLU writes them in
+    place of its saved inputs); with the tiled MLP one tile's (:func:`mlp_tile`). Attention's
+    (:func:`_attention_backward`), which the tiled MLP leaves the larger. Derived from what autograd
+    and the kernels allocate, not yet measured: negligible beside the loss region at short rows, a
+    tenth of the per-token bytes at long ones."""
     e, s = job.e, job.shape
-    return job.tokens * (e * s.hidden_size + (1 if job.liger else 3) * e * s.intermediate_size)
+    mlp = 0 if job.cfg.model.tiles_mlp() else (1 if job.liger else 3) * e * s.intermediate_size
+    return job.tokens * (e * s.hidden_size + max(mlp, _attention_backward(job)))
+
+
+def _attention_backward(job: EstimateContext) -> int:
+    """Per token, what attention's backward kernel allocates: the query, key and value gradients at
+    the query heads' width (FlashAttention's backward expands K/V to every head and sums them back,
+    as SDPA with a mask gets them repeated), its fp32 query-gradient accumulator (4·q_dim) and, with
+    fewer K/V heads, the summed key and value gradients (2·e·kv_dim): (3e + 4)·q_dim + 2·e·kv_dim.
+    The same figure as the MLP's under Liger on the 7B shape (37,888 bytes per token)."""
+    s, e = job.shape, job.e
+    return (3 * e + 4) * s.q_dim + (2 * e * s.kv_dim if s.num_kv_heads != s.num_heads else 0)
 
 
 def attention_quadratic(job: EstimateContext) -> int:
@@ -164,8 +266,10 @@ def _norm_bytes(job: EstimateContext, *, trains: bool) -> int:
 
 def recomputed_layer(job: EstimateContext) -> int:
     """Under checkpointing the backward pass re-runs one layer's forward at a time: its full
-    activations, B·S × the per-layer bytes, live on top of the saved inputs (0 otherwise)."""
-    return job.tokens * activation_bytes_per_layer(job) if job.cfg.model.gradient_checkpointing else 0
+    activations, B·S × the per-layer bytes (:func:`saved_per_layer`: with the tiled MLP, without the
+    MLP's, of which one tile is recomputed later, :func:`mlp_tile`), live on top of the saved inputs
+    (0 otherwise)."""
+    return job.tokens * saved_per_layer(job) if job.cfg.model.gradient_checkpointing else 0
 
 
 def logits_and_loss(job: EstimateContext) -> int:

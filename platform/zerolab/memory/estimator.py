@@ -10,13 +10,15 @@ from typing import Any
 from zerolab.batches import auto_max_seq_length
 from zerolab.config import SFTConfig
 from zerolab.memory.activations import (
-    activation_bytes_per_layer,
     activations,
     attention_quadratic,
     backward_gradients,
     dora_transient,
     logits_and_loss,
+    mlp_tile,
+    mlp_tile_forward,
     recomputed_layer,
+    saved_per_layer,
 )
 from zerolab.memory.batch import BatchShape, ShardLengths
 from zerolab.memory.calibration import DEFAULT_CALIBRATION, Calibration
@@ -63,7 +65,7 @@ def estimate(cfg: SFTConfig, model_config: Any, *, calibration: Calibration = DE
     if cfg.data.max_seq_length == "auto" and data is not None and data.longest_row:
         # As zerolab.data.resolve_max_seq_length does on the driver (jobs resolve it there: the
         # shards here miss the rows that equal train shards drop).
-        length = auto_max_seq_length(data.longest_row, max_position_embeddings(model_config))
+        length = auto_max_seq_length(data.longest_row, max_position_embeddings(model_config, cfg.model))
         cfg = cfg.replace(data=dataclasses.replace(cfg.data, max_seq_length=length))
     knobs = ZeroKnobs.resolve(cfg, shape.hidden_size)
     option = Option.of(cfg)
@@ -82,7 +84,7 @@ def device_components(job: EstimateContext) -> tuple[dict[str, int], dict[str, i
     """Components and phases. Persistent = weights + master + optimizer states + the offload
     gradient buffer + framework.
     Forward/backward = persistent + gathered + saved activations + max(loss region, recomputed
-    layer + the gradients of a layer's backward + logits, DoRA transient) (+ gradients held across accumulation steps, and ZeRO-3's
+    layer + the gradients of a layer's backward + a tiled MLP's tile + logits, DoRA transient) (+ gradients held across accumulation steps, and ZeRO-3's
     gradient partition buffer, allocated at init). Optimizer
     step = persistent + gradients + DeepSpeed buffers + the last logits (``out`` still holds
     them). ZeRO-0's gradient all-reduce = persistent + gradients + their flat bucket, min(T, 5e8)·e
@@ -91,7 +93,7 @@ def device_components(job: EstimateContext) -> tuple[dict[str, int], dict[str, i
     float64 copy (``gradient_norm_copy``) + the last logits. Init (ZeRO 1-2 flatten the trainable parameters into a new buffer) = persistent
     without optimizer states + T·e. ZeRO-3 forward start = persistent + held gradients + the
     parameters gathered then (``gathered_at_start``) + the embeddings' output and the first
-    layer's activations, B·S·(e·h + the per-layer bytes)."""
+    layer's activations, B·S·(e·h + the per-layer bytes), and with the tiled MLP one tile's forward."""
     # ``out.logits`` lives until the next forward (the fused loss returns none).
     logits = 0 if job.fused_loss else job.e * job.shape.vocab_size * job.tokens
     saved, recompute, grads_in_flight = activations(job), recomputed_layer(job), backward_gradients(job)
@@ -115,7 +117,7 @@ def device_components(job: EstimateContext) -> tuple[dict[str, int], dict[str, i
     # activation is alive, but not with it.
     # A quantized base's dequantized weight lives only within its layer's product, as FP8's input copy.
     transient = fp8_transient(job) + dequantized_transient(job)
-    peak_activity = max(logits_and_loss(job), recompute + grads_in_flight + logits + transient, dora_transient(job))
+    peak_activity = max(logits_and_loss(job), recompute + grads_in_flight + mlp_tile(job) + logits + transient, dora_transient(job))
     phases = {
         "init": persistent - c["optimizer states"] + (job.T * job.e if job.stage in (1, 2) else 0),
         "forward/backward": persistent + held_grads + gathered(job) + saved + peak_activity,
@@ -132,7 +134,7 @@ def device_components(job: EstimateContext) -> tuple[dict[str, int], dict[str, i
         held = c["gradients"] if not job.offload_opt else job.largest_trainable() * job.e
         phases["gradient norm"] = persistent + held + norm + logits
     if job.gathers():
-        first_layer = job.tokens * (job.e * job.shape.hidden_size + activation_bytes_per_layer(job))
+        first_layer = job.tokens * (job.e * job.shape.hidden_size + saved_per_layer(job)) + mlp_tile_forward(job)
         phases["forward start"] = persistent + held_grads + gathered_at_start(job) + first_layer
     return c, phases
 

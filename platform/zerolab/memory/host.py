@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from zerolab.memory.activations import offloaded_checkpoints
 from zerolab.memory.calibration import DEFAULT_IMPORTS_CPU_BYTES, worker_imports_rss
 from zerolab.memory.context import EstimateContext
 from zerolab.memory.units import pow2
@@ -30,8 +31,10 @@ def host_components(job: EstimateContext, device_peak: int) -> tuple[dict[str, i
     bit16 parameter partitions pinned, 10·⌈T/N⌉, AdamW states 8·⌈T/N⌉ unpinned, a staging
     buffer of the largest parameter; ZeRO-3: fp32 master pinned, gradient partition e pinned,
     states, and the fp32 gradient of the step: 18·⌈T/N⌉); offloaded parameters (every
-    partition pinned separately, plus the trainable flat buffer); pinned-memory rounding (torch
-    rounds each pinned allocation up to a power of two); on CPU runs the device peak ×
+    partition pinned separately, plus the trainable flat buffer); offloaded checkpoints
+    (``model.offload_checkpoints``: a pinned copy of each layer's input but the last, B·S·e·h bytes
+    each, through the step); pinned-memory rounding (torch rounds each pinned allocation up to a
+    power of two); on CPU runs the device peak ×
     host_cpu_tensor_factor (host_cpu_tensor_factor_checkpointing with gradient checkpointing); the
     final save on rank 0 (full fine-tuning gathers the whole state dict: P·e)."""
     cal, e, n = job.cal, job.e, job.n
@@ -80,7 +83,9 @@ def host_components(job: EstimateContext, device_peak: int) -> tuple[dict[str, i
         param_pinned = [job.part(job.stored_bytes(p)) for p in job.inv if not job.persistent(p) for _ in range(p.count)]
         param_pinned += [job.e * job.part(g) for g in groups]
     pin = job.gpu and job.knobs.pin_memory
-    rounding = sum(pow2(x) - x for x in opt_pinned + param_pinned) if pin else 0
+    # Checkpoint offload pins its copies through torch whatever DeepSpeed's pin_memory says.
+    checkpoints = offloaded_checkpoints(job)
+    rounding = (sum(pow2(x) - x for x in opt_pinned + param_pinned) if pin else 0) + sum(pow2(x) - x for x in checkpoints)
     retained = cal.host_cpu_tensor_factor_checkpointing if job.cfg.model.gradient_checkpointing else cal.host_cpu_tensor_factor
     cpu_tensors = 0 if job.gpu else int(device_peak * retained)
     save = weights_bytes if not job.peft else 4 * job.T
@@ -90,11 +95,12 @@ def host_components(job: EstimateContext, device_peak: int) -> tuple[dict[str, i
         "model loading": load,
         "offloaded optimizer": sum(opt_pinned) + opt_unpinned,
         "offloaded parameters": sum(param_pinned),
+        "offloaded checkpoints": sum(checkpoints),
         "pinned-memory rounding": rounding,
         "tensors (CPU training)": cpu_tensors,
         "checkpoint save (rank 0)": save,
     }
-    resident = worker["offloaded optimizer"] + worker["offloaded parameters"] + rounding + cpu_tensors
+    resident = worker["offloaded optimizer"] + worker["offloaded parameters"] + worker["offloaded checkpoints"] + rounding + cpu_tensors
     # ZeRO-3 with parameter offload fills the pinned partitions while rank 0 still holds the
     # checkpoint it reads (measured: rank 0's peak is the sum of both).
     partitions = sum(param_pinned) + (sum(pow2(x) - x for x in param_pinned) if pin else 0)

@@ -160,7 +160,9 @@ def longer_row_settings(cfg: SFTConfig, model_config: Any, limits: Limits, optio
                         limit: int = LONGEST_ROW_LIMIT, calibration: Calibration = DEFAULT_CALIBRATION) -> list[LongerRow]:
     """Each setting that shortens what a row costs and that ``cfg`` does not use yet, with the
     longest row it allows (:func:`longest_row`), then all of them together: gradient
-    checkpointing (each layer keeps only its input), Liger's fused loss (no B·S×V logits; GPUs,
+    checkpointing (each layer keeps only its input), checkpointing with those inputs offloaded to
+    host memory (GPUs), the tiled MLP (no B·S × I tensor whole), those two together (ALST's
+    single-GPU pair), Liger's fused loss (no B·S×V logits; GPUs,
     frozen head), varlen attention (no S×S mask; GPUs), a 4-bit base (adapters only), and ZeRO-3
     with parameter and optimizer offload (the weights leave the GPU between uses), and on a node of
     several GPUs, Ulysses sequence parallelism over them (each GPU holds 1/N of the row's tokens).
@@ -171,12 +173,20 @@ def longer_row_settings(cfg: SFTConfig, model_config: Any, limits: Limits, optio
     levers: list[tuple[str, dict[str, Any]]] = []
     if not m.gradient_checkpointing:
         levers.append(("gradient checkpointing", {"gradient_checkpointing": True}))
+    if gpu and not m.offload_checkpoints:
+        levers.append(("checkpointing with the checkpoints offloaded to host memory",
+                       {**({} if m.gradient_checkpointing else {"gradient_checkpointing": True}), "offload_checkpoints": True}))
+    if not m.tiles_mlp() and not m.compile:
+        levers.append(("the tiled MLP", {"tiled_mlp": "auto"}))
     if gpu and not head_trains and m.kernels != "liger":
         levers.append(("Liger's fused loss and kernels", {"kernels": "liger"}))
     if gpu and m.attn_implementation in ("sdpa", "eager"):
         levers.append(("varlen attention", {"attn_implementation": "varlen"}))
     if peft and m.quantization == "none" and not m.fp8:
         levers.append(("a 4-bit base", {"quantization": "nf4"}))
+    alst = [changes for what, changes in levers if "offload_checkpoints" in changes or "tiled_mlp" in changes]
+    if len(alst) == 2:  # ALST's single-GPU pair, without changing the model or the option
+        levers.append(("the checkpoints offloaded and the tiled MLP together", {**alst[0], **alst[1]}))
     offload = Option(3, "all")
     variants = [(what, changes, {}, option) for what, changes in levers]
     if option != offload:

@@ -53,18 +53,20 @@ SEQUENCE_PARALLEL_NOTE = ("more GPUs: ZeRO partitions weights, gradients and opt
 
 
 def format_longest_row(tokens: int | None, option: Option, *, multiple: int, max_positions: int | None = None,
-                       longer: list[LongerRow] | None = None) -> str:
+                       longer: list[LongerRow] | None = None, rope_fix: tuple[str, ...] = ()) -> str:
     """The longest-row report: the longest ``data.max_seq_length`` that fits under ``option``
-    (:func:`~zerolab.memory.planner.longest_row`), whether it passes the model's trained length,
-    and with ``longer`` the settings that make a longer one fit."""
+    (:func:`~zerolab.memory.planner.longest_row`), whether it passes the positions the model reaches
+    (``max_positions``; ``rope_fix``: the overrides of a RoPE scaling that reaches it), and with
+    ``longer`` the settings that make a longer one fit."""
     if tokens is None:
         lines = [f"longest row with {option.label}: none fits, not even {multiple:,} tokens at micro-batch 1"]
     else:
         lines = [f"longest row with {option.label}: {tokens:,} tokens at micro-batch 1, packed (--set data.max_seq_length={tokens}; "
                  f"the longest multiple of {multiple:,} that fits outside the estimate's 10% margin)"]
         if max_positions is not None and tokens > max_positions:
-            lines.append(f"  that is past the model's max_position_embeddings ({max_positions:,}): rows longer than it need "
-                         f"RoPE scaling (rope_scaling in the model's config) to keep positions right")
+            fix = f" (--set {' --set '.join(rope_fix)})" if rope_fix else ""
+            lines.append(f"  that is past the {max_positions:,} positions the model reaches: rows longer than that need RoPE "
+                         f"scaling to keep positions right{fix}")
     if longer is not None:
         lines.append("longer rows:" if longer else "longer rows: every setting that shortens a row's cost is on already")
         for row in longer:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from zerolab.checkpoint_files import CHECKPOINT_FILES_KEY
-from zerolab.config import AdapterSpec
+from zerolab.config import AdapterSpec, ModelSpec
 from zerolab.memory.errors import MemoryEstimateError
 from zerolab.memory.units import format_count
 
@@ -199,11 +200,31 @@ def trainable_params(shape: ModelShape, spec: AdapterSpec) -> int:
     return sum(p.total for p in parameter_inventory(shape, spec) if p.trainable)
 
 
-def max_position_embeddings(model_config: Any) -> int | None:
-    """The model's ``max_position_embeddings`` (from a transformers config or a dict of one), None if unset."""
+def max_position_embeddings(model_config: Any, model: ModelSpec | None = None) -> int | None:
+    """The longest row the model takes, None where its config (a transformers config or a dict of
+    one) names no length: its ``max_position_embeddings``, or with ``model``'s RoPE scaling
+    (``model.rope_scaling``) the trained length (yarn: ``rope_original_max_position_embeddings``
+    where given) times ``model.rope_factor``."""
     get = model_config.get if isinstance(model_config, dict) else lambda k, d=None: getattr(model_config, k, d)
     value = get("max_position_embeddings", None)
-    return value if isinstance(value, int) and value > 0 else None
+    if not isinstance(value, int) or value <= 0:
+        return None
+    return value if model is None else model.positions(value)
+
+
+def rope_scaling_fix(length: int, model_config: Any, model: ModelSpec) -> tuple[str, ...]:
+    """For rows of ``length`` tokens past the positions ``model`` reaches (:func:`max_position_embeddings`),
+    the overrides (``key=value``) of a RoPE scaling that reaches them; none where the length is
+    within them or the model names no length."""
+    reach = max_position_embeddings(model_config, model)
+    if reach is None or length <= reach:
+        return ()
+    trained = max_position_embeddings(model_config)
+    if model.rope_scaling == "yarn" and model.rope_original_max_position_embeddings:
+        trained = model.rope_original_max_position_embeddings
+    kind = "yarn" if model.rope_scaling == "none" else model.rope_scaling
+    factor = math.ceil(length / trained)  # type: ignore[operator]
+    return f"model.rope_scaling={kind}", f"model.rope_factor={factor:.1f}"
 
 
 def default_shard_bytes(transformers_version: Any) -> int:
