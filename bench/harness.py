@@ -161,7 +161,8 @@ def _suite_long_rows_7b() -> list[Run]:
     them; 32K with the tiled MLP (no checkpointing: the fastest that fits) and with checkpointing;
     128K with checkpointing, alone and with the tiled MLP; 256K with checkpoint offload and the
     tiled MLP too; then the longest row the estimate fits here with those (about 500K tokens on one
-    H100 with 128 GiB of host memory). A few steps each, the last window measured. A step's
+    H100 with 128 GiB of host memory). A few steps each, the last window measured (one step at 256K and
+past: the memory peak, the step's time with its first-step costs). A step's
     attention grows with the square of the row: about 10 s at 32K, a minute at 128K, four at 256K
     (7B on one H100, FlashAttention-2 at ~300 TFLOP/s), a quarter of an hour at 500K."""
     long = ("model.offload_checkpoints=true", "model.tiled_mlp=auto")
@@ -171,11 +172,11 @@ def _suite_long_rows_7b() -> list[Run]:
             overrides=("model.tiled_mlp=auto",)),
         Run("zerolab", "qwen2.5-7b", stage=2, row_tokens=32768, steps=6, window=3, checkpointing=True, variant="rows32k-ckpt",
             timeout_s=420),
-        Run("zerolab", "qwen2.5-7b", stage=2, row_tokens=131072, steps=3, window=2, checkpointing=True, variant="rows128k-ckpt",
+        Run("zerolab", "qwen2.5-7b", stage=2, row_tokens=131072, steps=2, window=1, checkpointing=True, variant="rows128k-ckpt",
             timeout_s=540),
         Run("zerolab", "qwen2.5-7b", stage=2, row_tokens=131072, steps=3, window=2, checkpointing=True, variant="rows128k-ckpt-tiled",
             timeout_s=540, overrides=("model.tiled_mlp=auto",)),
-        Run("zerolab", "qwen2.5-7b", stage=2, row_tokens=262144, steps=2, window=1, checkpointing=True,
+        Run("zerolab", "qwen2.5-7b", stage=2, row_tokens=262144, steps=1, window=1, checkpointing=True,
             variant="rows256k-ckpt-offload-tiled", timeout_s=900, overrides=long),
         Run("zerolab", "qwen2.5-7b", stage=2, row_tokens=-1, steps=1, window=1, checkpointing=True,
             variant="rowsmax-ckpt-offload-tiled", timeout_s=3600, overrides=long),
