@@ -110,7 +110,9 @@ def test_offloaded_checkpoints_give_the_same_loss_and_gradients(tiny_model_path,
     offload = offload_checkpoints(model)
     to_host, from_host = offload._to_host, offload._from_host
     offload._to_host = lambda index, t: copies.append(c := to_host(index, t)) or c
-    offload._from_host = lambda index, saved: restored.append(t := from_host(index, saved)) or t
+    # Only the host copies: on CUDA the checkpoint also saves tensors the offload passes through (its
+    # empty placeholder among them), which come back as they went.
+    offload._from_host = lambda index, saved: (t := from_host(index, saved), None if isinstance(saved, torch.Tensor) else restored.append(t))[0]
     got = loss_and_gradients(model, IDS)
     # CUDA's fp32 attention backward sums in no fixed order.
     assert_same(got, expected, rtol=1e-6 if device == "cpu" else 1e-5)
@@ -202,7 +204,9 @@ def test_tiled_mlp_recomputes_each_tile_with_its_forward_dropout_and_reduces_onc
     torch.testing.assert_close(got[1], reference[1], rtol=1e-6, atol=1e-7)
     assert got[2].keys() == reference[2].keys() and len(got[2]) == 6
     for name, g in reference[2].items():
-        torch.testing.assert_close(got[2][name], g, rtol=1e-5, atol=1e-7, msg=name)
+        # The tiles' weight gradients add up in another order than one product over all tokens (CUDA's fp32
+        # products differ in the last bits by that), hence a bound relative to the gradient's size.
+        torch.testing.assert_close(got[2][name], g, rtol=1e-5, atol=1e-5 * g.abs().max().item(), msg=name)
     assert ready == [False, False, True]
 
 
