@@ -150,6 +150,38 @@ def test_the_estimate_counts_packed_weights_and_their_constants():
     assert int8.device["weights"] == pytest.approx(linear + 4 * rows + held + rest * 2 + adapters, rel=1e-6)
 
 
+def test_under_zero3_the_estimate_counts_the_base_whole_while_it_loads():
+    """14B shape, one packed 4k row, ZeRO-3: a quantized base loads whole on every GPU (quantized as it arrives) and
+    ``deepspeed.initialize`` partitions it, so the load holds every weight packed, the embeddings
+    and head, the adapters and, in flight, the larger of a projection in bf16 and the partition
+    made for the embeddings. Over eight GPUs that is the peak; over two the step's is higher for
+    nf4. int8's measured held bytes belong to bitsandbytes' own product, which ZeRO-3 does not run."""
+    from zerolab.memory import estimate
+    from zerolab.memory.shapes import ModelShape
+    from zerolab.models import KNOWN_CONFIGS
+
+    config = KNOWN_CONFIGS["Qwen/Qwen2.5-14B"]
+    shape = ModelShape.from_config(config)
+    overrides = ["model.name_or_path=Qwen/Qwen2.5-14B", "scaling.use_gpu=true", "train.precision=bf16", "adapter.target_modules=[all-linear]",
+                 "adapter.r=16", "model.gradient_checkpointing=true", "data.max_seq_length=4096", "deepspeed.stage=3",
+                 "train.micro_batch_size=1", "data.packing=true", "model.attn_implementation=varlen", "model.kernels=liger"]
+    eight = estimate(load_config(None, [*overrides, "model.quantization=nf4", "scaling.num_workers=8"]), config)
+    linear = sum(i * o for i, o in shape.linear_shapes().values()) * shape.num_layers
+    rest = shape.num_params() - linear
+    whole = linear * (0.5 + 1 / 64 + 4 / (64 * 256)) + rest * 2 + 2 * eight.trainable_params
+    in_flight = max(2 * 13824 * 5120, math.ceil(shape.vocab_size * shape.hidden_size * 2 / 8))
+    assert eight.device_phases["quantized load"] == pytest.approx(whole + in_flight + eight.device["framework"], rel=1e-6)
+    assert eight.device_peak_phase == "quantized load"
+    two = estimate(load_config(None, [*overrides, "model.quantization=nf4", "scaling.num_workers=2"]), config)
+    assert two.device_peak_phase == "forward/backward" and two.device_phases["quantized load"] < two.device_peak
+    for other in (["model.quantization=nf4", "deepspeed.stage=2"], ["model.quantization=none"]):
+        assert "quantized load" not in estimate(load_config(None, [*overrides, "scaling.num_workers=2", *other]), config).device_phases
+    int8 = estimate(load_config(None, [*overrides, "model.quantization=int8", "scaling.num_workers=2"]), config)
+    # Half the int8 weights, their scales and half the rest (bf16), not the 1.76 bytes per weight bitsandbytes' product holds.
+    assert int8.device["weights"] < 0.7 * linear
+    assert int8.device_phases["quantized load"] > linear + rest * 2
+
+
 # --- DeepSpeed over two ranks (gloo) --------------------------------------------------------------
 
 
