@@ -86,19 +86,24 @@ def test_dequantized_layers_compute_what_the_quantized_ones_did(tiny_model_path)
         torch.testing.assert_close(model(PROBE).logits, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
-def test_the_zero3_product_computes_what_bitsandbytes_does_and_caches_nothing(kind, tiny_model_path):
+def test_the_zero3_product_computes_what_bitsandbytes_does_and_caches_nothing(kind, device, tiny_model_path):
     """The product ZeRO-3 runs (zerolab.quantized_products) is bitsandbytes' own, to the bit: the
-    outputs and the input gradients of every kind of projection, in training and in evaluation; an
-    int8 layer keeps no copy of its weight after it (bitsandbytes' caches it in ``state.CB``)."""
+    outputs and the input gradients of every kind of projection, in training and in evaluation (on
+    CPU bitsandbytes' CPU kernels; ``cuda``, part of the GPU tier: its CUDA kernels, LLM.int8()'s int8
+    product and outlier columns); an int8 layer keeps no copy of its weight after it (bitsandbytes'
+    caches it in ``state.CB``)."""
     from zerolab.models import load_model
     from zerolab.quantized_products import compute_from_gathered_weights
 
-    model = load_model(ModelSpec(quantization=kind), torch.bfloat16)
+    model = load_model(ModelSpec(quantization=kind), torch.bfloat16, torch.device(device) if device == "cuda" else None)
     layers = quantization.quantized_layers(model)
     names = ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.o_proj", "model.layers.2.mlp.down_proj"]
     torch.manual_seed(0)
-    inputs = {n: torch.randn(2, 5, layers[n].in_features, dtype=torch.bfloat16) * 3 for n in names}
+    # Scaled so that some of the inputs pass LLM.int8()'s outlier threshold (6): both of its paths run.
+    inputs = {n: torch.randn(2, 5, layers[n].in_features, dtype=torch.bfloat16, device=device) * 3 for n in names}
 
     def run(training: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         out = {}

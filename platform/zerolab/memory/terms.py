@@ -24,11 +24,11 @@ def weights(job: EstimateContext) -> int:
     return total + quantization_constants(job)
 
 
-def quantization_constants(job: EstimateContext, *, held: bool = True) -> int:
+def quantization_constants(job: EstimateContext) -> int:
     """What bitsandbytes keeps beside each quantized weight, whole on every rank (ZeRO-3 partitions
     only the weight tensor): 4-bit, the absmax per block of 64 weights (nf4: 8-bit, plus an fp32
-    constant per 256 blocks; fp4: fp32); int8, an fp32 scale per output row, and under ZeRO 0-2 (with
-    ``held``) what its layers were measured to hold beyond that in training
+    constant per 256 blocks; fp4: fp32); int8, an fp32 scale per output row, and under ZeRO 0-2 what
+    its layers were measured to hold beyond that in training
     (``zerolab.quantization.INT8_HELD_BYTES_PER_WEIGHT``). Under ZeRO-3 the products are zerolab's
     (``zerolab.quantized_products``), which keep nothing of a product for its backward."""
     if job.quantization == "none":
@@ -37,7 +37,7 @@ def quantization_constants(job: EstimateContext, *, held: bool = True) -> int:
 
     packed = 1.0 if job.quantization == "int8" else 0.5
     # LLM.int8()'s layers held more than their weights and scales (measured; see INT8_HELD_BYTES_PER_WEIGHT).
-    held = INT8_HELD_BYTES_PER_WEIGHT if held and job.quantization == "int8" and job.stage < 3 else 0.0
+    held = INT8_HELD_BYTES_PER_WEIGHT if job.quantization == "int8" and job.stage < 3 else 0.0
     shapes = job.shape.linear_shapes()
     total = 0.0
     for p in job.inv:
@@ -67,7 +67,7 @@ def quantized_load(job: EstimateContext) -> int:
     partitioned or keep every parameter whole anyway (ZeRO 0-2: :func:`weights`)."""
     if job.stage < 3 or job.quantization == "none":
         return 0
-    whole = sum(job.stored_bytes(p) * p.count for p in job.inv) + quantization_constants(job, held=False)
+    whole = sum(job.stored_bytes(p) * p.count for p in job.inv) + quantization_constants(job)
     partition = job.part(max(job.stored_bytes(p) for p in job.inv))
     return whole + max(dequantized_transient(job), partition)
 
