@@ -185,18 +185,22 @@ built-in tiny model ties it), small enough that a ZeRO-3 offload run takes secon
 
 @pytest.fixture(scope="session")
 def gpu_model_path(tmp_path_factory) -> str:
-    """A random-init Qwen2 of ``GPU_SHAPE`` in bf16 with the built-in model's tokenizer (trained in
-    seconds; the built-in model's pre-training is not needed), saved to a temp folder."""
+    """A random-init Qwen2 of ``GPU_SHAPE`` in bf16 (:func:`save_random_qwen2`)."""
+    return save_random_qwen2(tmp_path_factory.mktemp("gpu-qwen2"), GPU_SHAPE)
+
+
+def save_random_qwen2(folder: Path, shape: dict) -> str:
+    """A random-init Qwen2 of ``shape`` in bf16 with an untied head and the built-in model's tokenizer
+    (trained in seconds; the built-in model's pre-training is not needed), saved to ``folder``."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from zerolab.models import _train_tiny_tokenizer
 
-    folder = tmp_path_factory.mktemp("gpu-qwen2")
     tokenizer = _train_tiny_tokenizer()
     tokenizer.save_pretrained(folder)
     config = Qwen2Config(vocab_size=len(tokenizer), max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=None,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **GPU_SHAPE)
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **shape)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     model.generation_config.eos_token_id = tokenizer.eos_token_id

@@ -5,6 +5,7 @@ with its evaluation, resume and export."""
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import free_port, tiny_overrides
+from conftest import free_port, save_random_qwen2, tiny_overrides
 from zerolab import quantization
 from zerolab.config import ConfigError, ModelSpec, load_config
 
@@ -85,6 +86,46 @@ def test_dequantized_layers_compute_what_the_quantized_ones_did(tiny_model_path)
         torch.testing.assert_close(model(PROBE).logits, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_the_zero3_product_computes_what_bitsandbytes_does_and_caches_nothing(kind, device, tiny_model_path):
+    """The product ZeRO-3 runs (zerolab.quantized_products) is bitsandbytes' own, to the bit: the
+    outputs and the input gradients of every kind of projection, in training and in evaluation (on
+    CPU bitsandbytes' CPU kernels; ``cuda``, part of the GPU tier: its CUDA kernels, LLM.int8()'s int8
+    product and outlier columns); an int8 layer keeps no copy of its weight after it (bitsandbytes'
+    caches it in ``state.CB``)."""
+    from zerolab.models import load_model
+    from zerolab.quantized_products import compute_from_gathered_weights
+
+    model = load_model(ModelSpec(quantization=kind), torch.bfloat16, torch.device(device) if device == "cuda" else None)
+    layers = quantization.quantized_layers(model)
+    names = ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.o_proj", "model.layers.2.mlp.down_proj"]
+    torch.manual_seed(0)
+    # Scaled so that some of the inputs pass LLM.int8()'s outlier threshold (6): both of its paths run.
+    inputs = {n: torch.randn(2, 5, layers[n].in_features, dtype=torch.bfloat16, device=device) * 3 for n in names}
+
+    def run(training: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        out = {}
+        for name in names:
+            layer = layers[name].train(training)
+            x = inputs[name].clone().requires_grad_(training)
+            y = layer(x)
+            if training:
+                y.float().square().sum().backward()
+            out[name] = (y.detach(), x.grad)
+        return out
+
+    expected = {mode: run(mode) for mode in (True, False)}
+    assert compute_from_gathered_weights(model) == len(layers) == 28
+    for mode in (True, False):
+        for name, (y, grad) in run(mode).items():
+            assert torch.equal(y, expected[mode][name][0]), name
+            assert (grad is None) == (not mode) and (grad is None or torch.equal(grad, expected[mode][name][1])), name
+    if kind == "int8":
+        assert all(layers[n].weight.CB is None and layers[n].state.CB is None and layers[n].weight.SCB is not None for n in names)
+
+
 def test_the_estimate_counts_packed_weights_and_their_constants():
     """7B shape: nf4 stores each projection weight in half a byte plus its constants; the
     embeddings, head and norms stay bf16; ZeRO-3 over two GPUs splits the packed bytes but not the
@@ -129,6 +170,38 @@ def test_every_rank_reads_a_quantized_base_under_zero3_too():
     assert plain.host_other_worker_phases["model load"] < plain.host_worker_phases["model load"] / 2
     assert nf4.host_other_worker_phases["model load"] == nf4.host_worker_phases["model load"]
     assert nf4.host_other_worker_phases["model load"] > 7.6e9 * 2  # the bf16 checkpoint's pages
+
+
+def test_under_zero3_the_estimate_counts_the_base_whole_while_it_loads():
+    """14B shape, one packed 4k row, ZeRO-3: a quantized base loads whole on every GPU (quantized as it arrives) and
+    ``deepspeed.initialize`` partitions it, so the load holds every weight packed, the embeddings
+    and head, the adapters and, in flight, the larger of a projection in bf16 and the partition
+    made for the embeddings. Over eight GPUs that is the peak; over two the step's is higher for
+    nf4. int8's measured held bytes belong to bitsandbytes' own product, which ZeRO-3 does not run."""
+    from zerolab.memory import estimate
+    from zerolab.memory.shapes import ModelShape
+    from zerolab.models import KNOWN_CONFIGS
+
+    config = KNOWN_CONFIGS["Qwen/Qwen2.5-14B"]
+    shape = ModelShape.from_config(config)
+    overrides = ["model.name_or_path=Qwen/Qwen2.5-14B", "scaling.use_gpu=true", "train.precision=bf16", "adapter.target_modules=[all-linear]",
+                 "adapter.r=16", "model.gradient_checkpointing=true", "data.max_seq_length=4096", "deepspeed.stage=3",
+                 "train.micro_batch_size=1", "data.packing=true", "model.attn_implementation=varlen", "model.kernels=liger"]
+    eight = estimate(load_config(None, [*overrides, "model.quantization=nf4", "scaling.num_workers=8"]), config)
+    linear = sum(i * o for i, o in shape.linear_shapes().values()) * shape.num_layers
+    rest = shape.num_params() - linear
+    whole = linear * (0.5 + 1 / 64 + 4 / (64 * 256)) + rest * 2 + 2 * eight.trainable_params
+    in_flight = max(2 * 13824 * 5120, math.ceil(shape.vocab_size * shape.hidden_size * 2 / 8))
+    assert eight.device_phases["quantized load"] == pytest.approx(whole + in_flight + eight.device["framework"], rel=1e-6)
+    assert eight.device_peak_phase == "quantized load"
+    two = estimate(load_config(None, [*overrides, "model.quantization=nf4", "scaling.num_workers=2"]), config)
+    assert two.device_peak_phase == "forward/backward" and two.device_phases["quantized load"] < two.device_peak
+    for other in (["model.quantization=nf4", "deepspeed.stage=2"], ["model.quantization=none"]):
+        assert "quantized load" not in estimate(load_config(None, [*overrides, "scaling.num_workers=2", *other]), config).device_phases
+    int8 = estimate(load_config(None, [*overrides, "model.quantization=int8", "scaling.num_workers=2"]), config)
+    # Half the int8 weights, their scales and half the rest (bf16), not the 1.76 bytes per weight bitsandbytes' product holds.
+    assert int8.device["weights"] < 0.7 * linear
+    assert int8.device_phases["quantized load"] > linear + rest * 2
 
 
 # --- DeepSpeed over two ranks (gloo) --------------------------------------------------------------
@@ -180,6 +253,97 @@ def test_zero3_shards_the_quantized_base_and_trains_as_zero2_does(kind):
     for rank in (0, 1):
         assert z3[rank]["losses"][0] == pytest.approx(z2[rank]["losses"][0], rel=2e-3)
         assert z3[rank]["losses"][-1] < z3[rank]["losses"][0] - 0.5 and z2[rank]["losses"][-1] < z2[rank]["losses"][0] - 0.5
+
+
+WIDE_SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2)
+"""A model whose projections hold most of its bytes (nf4: 5.75 MiB of them, the rest 2.8 MiB)."""
+
+
+@pytest.fixture(scope="module")
+def wide_model_path(tmp_path_factory) -> str:
+    return save_random_qwen2(tmp_path_factory.mktemp("wide-qwen2"), WIDE_SHAPE)
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every storage a live tensor of this process uses, each storage once."""
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    storages.pop(0, None)
+    return sum(storages.values())
+
+
+def _memory_worker(rank: int, model_path: str, port: int, results: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                      DS_ACCELERATOR="cpu")
+    from zerolab import ds_config
+    from zerolab.ds_runtime import init_distributed
+    from zerolab.engine import Zero3Loading, build_model, initialize_engine
+    from zerolab.quantized_products import _whole
+
+    init_distributed("gloo")
+    found = {}
+    for kind in ("nf4", "int8"):
+        cfg = load_config(None, ["scaling.num_workers=2", "train.precision=bf16", "adapter.dropout=0", f"model.name_or_path={model_path}",
+                                 f"model.quantization={kind}", "deepspeed.stage=3", "adapter.target_modules=[all-linear]",
+                                 "model.gradient_checkpointing=true"])
+        ds = ds_config.resolve(cfg, 128)
+        # Every weight partitioned, released after its layer and fetched no earlier than its layer: what
+        # the forward pass adds is then its activations alone.
+        ds["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0)
+        zero3 = Zero3Loading()
+        torch.manual_seed(0)
+        model = build_model(cfg, ds, 10, zero3=zero3)
+        layers = quantization.quantized_layers(model)
+        whole = sum(layer.weight.untyped_storage().nbytes() for layer in layers.values())
+        loaded = live_tensor_bytes()
+        engine = initialize_engine(model, cfg, ds, 10)
+        engine.train()
+        initialized = live_tensor_bytes()
+        ids = torch.randint(5, 500, (1, 32))
+        loss = engine(input_ids=ids, labels=ids).loss
+        forward = live_tensor_bytes()
+        engine.backward(loss)
+        engine.step()
+        del loss
+        stepped = live_tensor_bytes()
+        weight = next(iter(layers.values())).weight
+        with _whole(weight):  # what the backward does with a weight DeepSpeed released
+            gathered = weight.numel() == weight.ds_numel
+        found[kind] = {"whole": whole, "loaded": loaded, "initialized": initialized, "forward": forward, "stepped": stepped,
+                       "trainable": sum(p.ds_numel for p in engine.module.parameters() if p.requires_grad),
+                       "gathered": gathered, "released": weight.numel() == 0}
+        zero3.close()
+        del engine, model, layers, weight
+    results[rank] = found
+
+
+def test_zero3_holds_half_the_quantized_weights_per_rank_through_a_step(wide_model_path):
+    """ZeRO-3 over two ranks, counted by the storages of live tensors: ``deepspeed.initialize`` frees
+    half of the quantized weights on each rank (int8: bitsandbytes' cached copy of the weight kept
+    all of it), the forward pass adds its activations but no whole weight (4-bit: bitsandbytes'
+    autograd context kept every layer's gathered weight until the backward, the whole model again),
+    and the step adds the adapters' optimizer state. A weight DeepSpeed released is gathered for a
+    backward that needs it and released after."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_memory_worker, args=(wide_model_path, free_port(), results), nprocs=2)
+        results = dict(results)
+    problems = []
+    for rank in (0, 1):
+        for kind, m in results[rank].items():
+            checks = {
+                "initialize keeps half the quantized weights": m["initialized"] <= m["loaded"] - 0.4 * m["whole"],
+                "the forward pass keeps no whole weight": m["forward"] - m["initialized"] <= 0.15 * m["whole"],
+                # bf16 gradients, fp32 master weights and two Adam moments of this rank's half of the adapters.
+                "the step adds the adapters' state": m["stepped"] - m["initialized"] <= 8 * m["trainable"] + 0.1 * m["whole"],
+                "a released weight is gathered and released again": m["gathered"] and m["released"],
+            }
+            problems += [f"rank {rank}, {kind}: not {check}: {m}" for check, ok in checks.items() if not ok]
+    assert not problems, "\n".join(problems)
 
 
 # --- a whole job ----------------------------------------------------------------------------------

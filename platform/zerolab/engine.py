@@ -116,16 +116,23 @@ def initialize_engine(model: torch.nn.Module, cfg: SFTConfig, ds_config: dict, t
     creates it; a resumed run loads its own.
 
     Under ZeRO-3 with ``deepspeed.z3_leaf_layers`` the decoder layers become leaf modules first
-    (:func:`make_zero3_leaf_layers`).
+    (:func:`make_zero3_leaf_layers`), and a quantized base's layers compute from the weights ZeRO-3
+    gathers for them, keeping no whole copy beside the partitions
+    (:func:`zerolab.quantized_products.compute_from_gathered_weights`).
     """
     import deepspeed
     from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
-    if ds_config.get("zero_optimization", {}).get("stage") == 3 and cfg.deepspeed.z3_leaf_layers:
+    zero3 = ds_config.get("zero_optimization", {}).get("stage") == 3
+    if zero3 and cfg.deepspeed.z3_leaf_layers:
         layers = make_zero3_leaf_layers(model)
         log_rank0("ZeRO-3: %d decoder layers (%s) gathered as one leaf module each", len(layers),
                   type(layers[0]).__name__ if layers else "none found")
+    if zero3 and cfg.model.quantization != "none":
+        from zerolab.quantized_products import compute_from_gathered_weights  # bitsandbytes is an optional extra
+
+        log_rank0("ZeRO-3: %d quantized layers compute from their gathered weights", compute_from_gathered_weights(model))
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=build_optimizer(model, cfg),

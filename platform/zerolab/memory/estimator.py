@@ -41,6 +41,7 @@ from zerolab.memory.terms import (
     master_weights,
     offload_gradient_buffer,
     optimizer_states,
+    quantized_load,
     weights,
 )
 from zerolab.memory.units import GIB
@@ -93,7 +94,9 @@ def device_components(job: EstimateContext) -> tuple[dict[str, int], dict[str, i
     float64 copy (``gradient_norm_copy``) + the last logits. Init (ZeRO 1-2 flatten the trainable parameters into a new buffer) = persistent
     without optimizer states + T·e. ZeRO-3 forward start = persistent + held gradients + the
     parameters gathered then (``gathered_at_start``) + the embeddings' output and the first
-    layer's activations, B·S·(e·h + the per-layer bytes), and with the tiled MLP one tile's forward."""
+    layer's activations, B·S·(e·h + the per-layer bytes), and with the tiled MLP one tile's forward.
+    ZeRO-3 with a quantized base: its load, the base whole before ``deepspeed.initialize``
+    partitions it (:func:`quantized_load`)."""
     # ``out.logits`` lives until the next forward (the fused loss returns none).
     logits = 0 if job.fused_loss else job.e * job.shape.vocab_size * job.tokens
     saved, recompute, grads_in_flight = activations(job), recomputed_layer(job), backward_gradients(job)
@@ -136,6 +139,9 @@ def device_components(job: EstimateContext) -> tuple[dict[str, int], dict[str, i
     if job.gathers():
         first_layer = job.tokens * (job.e * job.shape.hidden_size + saved_per_layer(job)) + mlp_tile_forward(job)
         phases["forward start"] = persistent + held_grads + gathered_at_start(job) + first_layer
+    if quantized_load(job):
+        # Loaded whole before anything is partitioned: the peak with many ranks or short rows.
+        phases["quantized load"] = c["framework"] + quantized_load(job)
     return c, phases
 
 

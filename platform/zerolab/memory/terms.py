@@ -27,15 +27,17 @@ def weights(job: EstimateContext) -> int:
 def quantization_constants(job: EstimateContext) -> int:
     """What bitsandbytes keeps beside each quantized weight, whole on every rank (ZeRO-3 partitions
     only the weight tensor): 4-bit, the absmax per block of 64 weights (nf4: 8-bit, plus an fp32
-    constant per 256 blocks; fp4: fp32); int8, an fp32 scale per output row, and what its layers
-    were measured to hold beyond that (``zerolab.quantization.INT8_HELD_BYTES_PER_WEIGHT``)."""
+    constant per 256 blocks; fp4: fp32); int8, an fp32 scale per output row, and under ZeRO 0-2 what
+    its layers were measured to hold beyond that in training
+    (``zerolab.quantization.INT8_HELD_BYTES_PER_WEIGHT``). Under ZeRO-3 the products are zerolab's
+    (``zerolab.quantized_products``), which keep nothing of a product for its backward."""
     if job.quantization == "none":
         return 0
     from zerolab.quantization import INT8_HELD_BYTES_PER_WEIGHT, bytes_per_row, bytes_per_weight
 
     packed = 1.0 if job.quantization == "int8" else 0.5
     # LLM.int8()'s layers held more than their weights and scales (measured; see INT8_HELD_BYTES_PER_WEIGHT).
-    held = INT8_HELD_BYTES_PER_WEIGHT if job.quantization == "int8" else 0.0
+    held = INT8_HELD_BYTES_PER_WEIGHT if job.quantization == "int8" and job.stage < 3 else 0.0
     shapes = job.shape.linear_shapes()
     total = 0.0
     for p in job.inv:
@@ -52,6 +54,22 @@ def dequantized_transient(job: EstimateContext) -> int:
         return 0
     largest = max(i * o for i, o in job.shape.linear_shapes().values())
     return largest * (job.e if job.quantization != "int8" else 2)
+
+
+def quantized_load(job: EstimateContext) -> int:
+    """ZeRO-3 with a quantized base, before ``deepspeed.initialize`` partitions it: transformers loads
+    the base whole on every rank's device (quantized tensor by tensor as it arrives, through a device
+    map, which its ZeRO-3 loading switch refuses), and peft adds the adapters. Every parameter whole
+    (a quantized weight packed) with the quantization constants, plus what is in flight: the largest
+    projection as read, in 16 bits, on its way to being quantized (:func:`dequantized_transient`), or
+    the partition ``deepspeed.initialize`` allocates for the largest parameter while it converts them
+    one by one, each whole copy freed once its partition is made. 0 for other jobs, which load
+    partitioned or keep every parameter whole anyway (ZeRO 0-2: :func:`weights`)."""
+    if job.stage < 3 or job.quantization == "none":
+        return 0
+    whole = sum(job.stored_bytes(p) * p.count for p in job.inv) + quantization_constants(job)
+    partition = job.part(max(job.stored_bytes(p) for p in job.inv))
+    return whole + max(dequantized_transient(job), partition)
 
 
 def fp8_weights(job: EstimateContext) -> int:
