@@ -130,6 +130,34 @@ def test_offloaded_checkpoints_give_the_same_loss_and_gradients(tiny_model_path,
         hook.remove()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_offloaded_layer_inputs_leave_the_device_until_the_backward_pass(tiny_model_path, device):
+    """Between the forward and the backward pass nothing holds an offloaded layer's input but its
+    host copy: the forward's tensors of the layers between the first and the last are gone (the
+    first layer's input, the embeddings' output made to require gradients, is held by its gradient
+    accumulator; the last layer's stays by design). A pack hook that closed over the hidden states
+    kept every one of them on the device: torch keeps the hook with the tensors it saved."""
+    import gc
+    import weakref
+
+    from zerolab.long_rows import offload_checkpoints
+    from zerolab.models import decoder_layers
+
+    model = tiny_model("lora", device=device)
+    layers = decoder_layers(model)
+    inputs: list[weakref.ref] = []
+    hooks = [layer.register_forward_pre_hook(lambda m, args: inputs.append(weakref.ref(args[0]))) for layer in layers]
+    offload_checkpoints(model)
+    loss = model(input_ids=IDS.to(device), labels=IDS.to(device)).loss
+    gc.collect()
+    alive = [ref() is not None for ref in inputs]
+    assert alive[1:-1] == [False] * (len(layers) - 2) and alive[-1], alive
+    loss.backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
+    for hook in hooks:
+        hook.remove()
+
+
 def test_checkpoint_offload_needs_transformers_checkpointing_layers(tiny_model_path):
     from zerolab.long_rows import offload_checkpoints
 

@@ -94,11 +94,15 @@ class CheckpointOffload:
                 if isinstance(hidden, torch.Tensor):
                     self.stats.kept_tensors += 1
                 return checkpoint(function, *args, **kwargs)
+            # Weakly: torch keeps the pack hook with every tensor it saved, so a closure over the
+            # hidden states would keep them on the device until the backward pass, copy or not.
+            hidden_ref = weakref.ref(hidden)
+            del hidden
 
             def pack(tensor: torch.Tensor) -> Any:
                 # The checkpoint saves its inputs first, the hidden states among them; every other
                 # tensor it sees is one of the layer's own activations, which it recomputes.
-                return self._to_host(index, tensor) if tensor is hidden else tensor
+                return self._to_host(index, tensor) if tensor is hidden_ref() else tensor
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda saved: self._from_host(index, saved)):
                 return checkpoint(function, *args, **kwargs)
