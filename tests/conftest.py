@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import uuid
@@ -128,6 +129,29 @@ def rows_of(lengths, seed=0):
         labels[: n // 2] = IGNORE_INDEX
         out.append((ids, labels))
     return out
+
+
+@contextlib.contextmanager
+def step_gradients(engine):
+    """Inside the block ``engine.step`` first copies every trainable parameter's whole gradient
+    (gathered under ZeRO-3) at an accumulation boundary into the dict it yields, by name, before
+    DeepSpeed clears them."""
+    from deepspeed.utils import safe_get_full_grad
+
+    trainable = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    grads: dict = {}
+    step = engine.step
+
+    def step_keeping_grads():
+        if engine.is_gradient_accumulation_boundary():
+            grads.update({n: safe_get_full_grad(p).detach().float().clone() for n, p in trainable})
+        step()
+
+    engine.step = step_keeping_grads
+    try:
+        yield grads
+    finally:
+        engine.step = step
 
 
 def trained_state(checkpoint: Path, stage: int) -> dict:

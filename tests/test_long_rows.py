@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import free_port, rows_of
+from conftest import free_port, rows_of, step_gradients
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
 """CPU: host copies are plain copies; cuda (the GPU tier): pinned host memory, side-stream copies."""
@@ -362,7 +362,6 @@ def train_variant(rank: int, overrides: list[str]) -> tuple:
     steps, the trainable parameters' gradients of the first (from the same weights for every
     variant: compared closely) and the weights after the third."""
     import deepspeed
-    from deepspeed.utils import safe_get_full_grad
     from transformers import AutoConfig
 
     from zerolab import ds_config
@@ -385,18 +384,9 @@ def train_variant(rank: int, overrides: list[str]) -> tuple:
     engine = initialize_engine(model, cfg, resolved, total_steps=10)
     engine.train()
     trainable = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
-    grads: dict[str, torch.Tensor] = {}
-    step = engine.step
-
-    def step_keeping_grads():
-        if engine.is_gradient_accumulation_boundary():
-            grads.update({n: safe_get_full_grad(p).detach().float().clone() for n, p in trainable})
-        step()
-
     batches = step_batches(rank, cfg.data.packing)
-    engine.step = step_keeping_grads
-    losses = [optimizer_step(engine, batches, torch.device("cpu"))[0].item()]
-    engine.step = step
+    with step_gradients(engine) as grads:
+        losses = [optimizer_step(engine, batches, torch.device("cpu"))[0].item()]
     losses += [optimizer_step(engine, batches, torch.device("cpu"))[0].item() for _ in range(2)]
     with deepspeed.zero.GatheredParameters([p for _, p in trainable], enabled=cfg.deepspeed.stage == 3):
         weights = {n: p.detach().float().clone() for n, p in trainable}

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import free_port, rows_of
+from conftest import free_port, rows_of, step_gradients
 
 ACCUM = 2
 
@@ -267,7 +267,6 @@ def train_variant(rank: int, stage: int, leaf: bool, method: str, gradient_check
     """The losses of two optimizer steps, then the trainable parameters' gradients of a third and
     the weights after it."""
     import deepspeed
-    from deepspeed.utils import safe_get_full_grad
 
     from zerolab.engine import Zero3Loading, build_model, initialize_engine
     from zerolab.train import optimizer_step
@@ -278,17 +277,9 @@ def train_variant(rank: int, stage: int, leaf: bool, method: str, gradient_check
     engine = initialize_engine(build_model(cfg, resolved, total_steps=10, zero3=zero3), cfg, resolved, total_steps=10)
     engine.train()
     trainable = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
-    grads: dict[str, torch.Tensor] = {}
-    step = engine.step
-
-    def step_keeping_grads():
-        if engine.is_gradient_accumulation_boundary():
-            grads.update({n: safe_get_full_grad(p).detach().float().clone() for n, p in trainable})
-        step()
-
     losses = [optimizer_step(engine, micro_batches(rank), torch.device("cpu"))[0].item() for _ in range(2)]
-    engine.step = step_keeping_grads
-    optimizer_step(engine, micro_batches(rank), torch.device("cpu"))
+    with step_gradients(engine) as grads:
+        optimizer_step(engine, micro_batches(rank), torch.device("cpu"))
     with deepspeed.zero.GatheredParameters([p for _, p in trainable], enabled=stage == 3):
         weights = {n: p.detach().float().clone() for n, p in trainable}
     engine.destroy()
