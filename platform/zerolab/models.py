@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
+
+import zerolab.lean_imports  # noqa: F401  # isort: skip  (before transformers: its models then load without scikit-learn)
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from zerolab.checkpoint_files import CHECKPOINT_FILES_KEY, checkpoint_file_sizes
