@@ -1,4 +1,5 @@
-"""DeepSpeed's process-level runtime as a training worker needs it: a process group formed without
+"""DeepSpeed's process-level runtime as a training worker needs it: imported without what it imports
+for its autotuner (:func:`zerolab.lean_imports.import_deepspeed`), a process group formed without
 building an op training never uses, DeepSpeed's cached groups forgotten when a world ends, and the
 lock files of interrupted op builds cleared before they hang a run."""
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from zerolab.lean_imports import import_deepspeed
 from zerolab.worker_log import logger
 
 SHM_COMM_OP = "deepspeed_shm_comm"
@@ -23,6 +25,7 @@ group of every machine (about 30 s on two cores). Training never uses it, so it 
 def init_distributed(backend: str, **kwargs: Any) -> None:
     """``deepspeed.init_distributed`` without building :data:`SHM_COMM_OP` (DeepSpeed skips an op
     marked incompatible and falls back to the process group's all-reduce)."""
+    import_deepspeed()  # a worker's first import of DeepSpeed
     import deepspeed
     import deepspeed.ops
 

@@ -1,21 +1,27 @@
-"""What transformers imports at its own import for a feature zerolab never uses, left to that
-feature's first use. Importing this module does it, once per process: ``zerolab.models`` imports it
-before transformers, so every process that loads a model (the driver, each worker) starts without it.
+"""What the training stack's libraries import at their own import for features zerolab never uses,
+left to that feature's first use.
 
-transformers' candidate generator (assisted generation, ``generate(assistant_model=...)``) runs
-``from sklearn.metrics import roc_curve`` at its import whenever scikit-learn is installed, and every
-model class imports the generator: scikit-learn with SciPy and pandas, 1.2 s of a 2-core machine's
-CPU and up to 4.7 s when it is busy, for a function that only assisted generation's confidence
-threshold calls. While that one module imports, ``sys.modules["sklearn.metrics"]`` is a stand-in
-whose functions import scikit-learn's own at their first call; then the entry goes again. So
-scikit-learn stays untouched: nothing of it is imported, and a later ``import sklearn.metrics``
-(user code in the same process, or the generator's first ``roc_curve`` call) imports the real
-package as usual. Where scikit-learn is not installed, or transformers has imported the generator
-already, nothing is done.
+transformers: importing this module does it, once per process (``zerolab.models`` imports it before
+transformers, so every process that loads a model starts without them). Its candidate generator
+(assisted generation, ``generate(assistant_model=...)``) runs ``from sklearn.metrics import
+roc_curve`` at its import whenever scikit-learn is installed, and its object-detection losses ``from
+scipy.optimize import linear_sum_assignment``; every model class imports both: scikit-learn with
+SciPy and pandas, 1.2 s of a 2-core machine's CPU and up to 4.7 s when it is busy, for functions
+only assisted generation's confidence threshold and DETR-style losses call.
 
-Python's import statement takes a module it finds in ``sys.modules`` as loaded
-(https://docs.python.org/3/reference/import.html#the-module-cache); the stand-in is there for the
-generator's import alone, and no other module of the process imports ``sklearn.metrics`` then.
+DeepSpeed: :func:`import_deepspeed`, a training worker's first ``import deepspeed``
+(``zerolab.ds_runtime``), leaves out the MLflow that DeepSpeed's autotuner imports (zerolab never
+runs the autotuner): rank 0 then imports MLflow for its metric logger after the first optimizer
+step, the other ranks never.
+
+How: while the one library module that would import it imports, ``sys.modules[name]`` holds a
+stand-in whose names load the real module when they are used (a function when it is called); then
+the entry goes again. Python's import statement takes a module it finds in ``sys.modules`` as loaded
+(https://docs.python.org/3/reference/import.html#the-module-cache), so the library binds the
+stand-in's names, and the packages themselves stay untouched: nothing of them is imported, and any
+later ``import`` of them (user code in the same process, or the feature's first use) loads the real
+package as usual. Where a package is not installed, is imported already, or the library module was
+imported before, nothing is done.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -33,39 +40,68 @@ DEFERRED = (
 )
 """(module left to first use, the transformers module whose import would load it)."""
 
+_loading = threading.Lock()
 
-def _called_later(module: str, name: str) -> Callable[..., Any]:
-    """``module.name`` as a function that imports ``module`` at its first call."""
 
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return getattr(importlib.import_module(module), name)(*args, **kwargs)
-
-    call.__name__ = call.__qualname__ = name
-    call.__module__ = module
-    call.__doc__ = f"{module}.{name}, imported at the first call."
-    return call
+def _real(name: str, stand_in: types.ModuleType) -> types.ModuleType:
+    """The real module ``name``, imported now if it was not (also while ``stand_in`` still holds its place)."""
+    with _loading:
+        if sys.modules.get(name) is stand_in:
+            del sys.modules[name]
+    return importlib.import_module(name)
 
 
 class _FunctionsLater(types.ModuleType):
-    """A stand-in for ``module`` whose every public name is :func:`_called_later`."""
+    """A stand-in whose every public name is the real module's function, imported at its first call:
+    for ``from module import function``, which takes the name at once."""
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):  # __path__, __spec__, ...: what the import system asks of a real module
+        if name.startswith("__"):  # __path__, __file__, ...: what the import system asks of a real module
             raise AttributeError(name)
-        return _called_later(self.__name__, name)
+        module, stand_in = self.__name__, self
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return getattr(_real(module, stand_in), name)(*args, **kwargs)
+
+        call.__name__ = call.__qualname__ = name
+        call.__module__ = module
+        call.__doc__ = f"{module}.{name}, imported at the first call."
+        return call
 
 
-def _import_without(deferred: str, importer: str) -> None:
+class _ModuleLater(types.ModuleType):
+    """A stand-in that is the real module from the first attribute read on: for ``import module``,
+    which reads nothing until the module is used."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.__spec__ = importlib.util.find_spec(name)  # find_spec(name) meanwhile answers as for the real module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_real(self.__name__, self), name)
+
+
+def _import_without(deferred: str, importer: str, stand_in: Callable[[str], types.ModuleType]) -> None:
     if importer in sys.modules or deferred in sys.modules or importlib.util.find_spec(deferred.partition(".")[0]) is None:
+        importlib.import_module(importer)
         return
-    stand_in = _FunctionsLater(deferred)
-    sys.modules[deferred] = stand_in
+    placeholder = stand_in(deferred)
+    with _loading:
+        sys.modules[deferred] = placeholder
     try:
         importlib.import_module(importer)
     finally:
-        if sys.modules.get(deferred) is stand_in:
-            del sys.modules[deferred]
+        with _loading:
+            if sys.modules.get(deferred) is placeholder:
+                del sys.modules[deferred]
+
+
+def import_deepspeed() -> types.ModuleType:
+    """``import deepspeed`` without the MLflow its autotuner imports, where this is the process's
+    first import of DeepSpeed and MLflow is not loaded yet; else a plain ``import deepspeed``."""
+    _import_without("mlflow", "deepspeed", _ModuleLater)
+    return sys.modules["deepspeed"]
 
 
 for _deferred, _importer in DEFERRED:
-    _import_without(_deferred, _importer)
+    _import_without(_deferred, _importer, _FunctionsLater)
