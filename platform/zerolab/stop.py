@@ -90,7 +90,9 @@ class StopSignal:
     that step's all-reduce, so every rank stops after the same step and joins the final
     checkpoint's collectives; reading it every step would cost a device sync per step. A job that
     trains in its own process (``launch`` ``driver``) reads a ``threading.Event``; a worker group
-    an actor on the driver's node.
+    an actor on the driver's node. Signals reach only the main thread: a run started on another
+    thread (a Tune trial) gets no handler, so its worker group gets no flag either (the actor would
+    be a process of its own, started for every trial and never set).
     """
 
     def __init__(self, log_every_n_steps: int, launch: str, flag: Any = None) -> None:
@@ -98,7 +100,9 @@ class StopSignal:
         self._requested = False
         self.fitting = False
         """Whether the fit has begun (a signal before it stops the job at once)."""
-        self.flag: Any = flag if flag is not None else threading.Event() if launch == "driver" else stop_flag_actor()
+        on_main = threading.current_thread() is threading.main_thread()
+        self.flag: Any = (flag if flag is not None else threading.Event() if launch == "driver"
+                          else stop_flag_actor() if on_main else None)
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self._requested:
