@@ -37,6 +37,9 @@ node, as the driver does (instance role, workload identity, or the environment o
 GIL_SWITCH_S = 0.0002
 """The interpreter's thread switch interval while Ray starts beside the job's imports."""
 
+PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+"""Ray Train's switch of its preemption watcher: off on a Ray instance the job started, unless set."""
+
 TRAIN_POLL_S = "0.5"
 """How often Ray Train's controller polls the workers (``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``)."""
 
@@ -131,6 +134,9 @@ def _connect(cfg: SFTConfig, address: str, log_to_driver: bool) -> None:
         # they cannot tell which is theirs and print tracebacks. Name this instance's API server.
         options["dashboard_port"] = _free_port()
         env_vars["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{options['dashboard_port']}"
+        # Ray Train starts an actor per run that watches for nodes being drained (spot preemption); a
+        # Ray this job started is its own machine, which nothing drains: one process less per run.
+        env_vars[PREEMPTION_WATCHER] = os.environ.get(PREEMPTION_WATCHER, "0")
     # A variable the submitted job's own runtime_env sets reaches the workers already, and Ray
     # refuses a ray.init that sets it again.
     job_env = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("runtime_env", {}).get("env_vars", {})

@@ -183,7 +183,9 @@ def run_sweep(base: SFTConfig, sweep: Sweep, *, resume: bool = False, out_dir: s
                     param_space={d.key: d.tune_domain() for d in sweep.space},
                     tune_config=TuneConfig(
                         num_samples=sweep.num_samples, max_concurrent_trials=concurrent, search_alg=_searcher(sweep),
-                        reuse_actors=in_trial,
+                        # A trial's actor imported the training stack to build its trainer: the next
+                        # trial keeps it (an actor whose trial is still winding down is replaced).
+                        reuse_actors=True,
                         scheduler=_scheduler(sweep, base_cfg),
                         trial_name_creator=lambda t: f"{sweep.name}-{t.trial_id}", trial_dirname_creator=lambda t: t.trial_id,
                     ),
