@@ -51,3 +51,71 @@ def test_what_transformers_left_for_later_is_the_real_function_at_its_first_call
                      "from transformers.generation import candidate_generator as cg\n"
                      "print(json.dumps(cg.roc_curve is sklearn.metrics.roc_curve))")
     assert before is True
+
+
+def test_a_workers_deepspeed_leaves_mlflow_to_the_metric_logger():
+    """A training worker's first import of DeepSpeed does not import MLflow (rank 0 imports it for its
+    metric logger after the first step); DeepSpeed's autotuner still gets MLflow's own module."""
+    loaded = _python("import json, sys\nimport zerolab.train\nfrom zerolab.lean_imports import import_deepspeed\n"
+                     "import_deepspeed()\nbefore = 'mlflow' in sys.modules\n"
+                     "from deepspeed.autotuning import autotuner\nimport mlflow\n"
+                     "print(json.dumps({'before': before, 'has': autotuner.has_mlflow,\n"
+                     "                  'same': autotuner.mlflow.MlflowClient is mlflow.MlflowClient,\n"
+                     "                  'real': type(sys.modules['mlflow']).__name__}))")
+    assert loaded == {"before": False, "has": True, "same": True, "real": "module"}
+
+
+def test_a_run_started_off_the_main_thread_starts_no_stop_flag_actor():
+    """Signals reach only the main thread: a Tune trial's worker group gets no flag (an actor would be
+    a process of its own, started for each trial), and nothing here needs Ray."""
+    import threading
+
+    from zerolab.stop import StopSignal
+
+    flags = {}
+    thread = threading.Thread(target=lambda: flags.update(workers=StopSignal(5, "workers").flag, driver=StopSignal(5, "driver").flag))
+    thread.start()
+    thread.join()
+    assert flags["workers"] is None and isinstance(flags["driver"], threading.Event)
+
+
+def test_the_first_step_ends_when_its_step_is_done_not_after_the_hosts_work_that_follows():
+    import time
+
+    import torch
+
+    from zerolab.train import _FirstStepClock
+
+    clock = _FirstStepClock(torch.device("cpu"))
+    assert clock.unix() is None
+    clock.mark()
+    done = time.time()
+    time.sleep(0.2)  # MLflow's set-up after the step
+    assert abs(clock.unix() - done) < 0.05
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_first_step_ends_when_the_device_has_done_it():
+    """The step's work is queued; the host then works (MLflow's set-up) while the device finishes:
+    the clock reads the device's end, without a sync at the mark."""
+    import time
+
+    import torch
+
+    from zerolab.train import _FirstStepClock
+
+    device = torch.device("cuda", 0)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10**7)
+    end.record()
+    end.synchronize()
+    cycles = int(0.3 / (start.elapsed_time(end) / 1000 / 10**7))  # ≈ 0.3 s of device time
+    clock = _FirstStepClock(device)
+    issued = time.time()
+    torch.cuda._sleep(cycles)
+    clock.mark()
+    time.sleep(1.0)
+    first = clock.unix()
+    assert issued + 0.1 < first < issued + 0.9

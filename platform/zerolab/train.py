@@ -131,8 +131,7 @@ def _train(plan: WorkerPlan, place: Place, zero3: Zero3Loading, ulysses: Ulysses
     now = time.perf_counter()
     log_rank0("worker ready in %.1f s: process group and data shard %.1f s, model %.1f s, DeepSpeed engine%s %.1f s",
               now - started, data_ready - started, model_ready - data_ready, " and checkpoint" if start_step else "", now - model_ready)
-    stream = _FirstStepClock(map(ulysses.shard, batches.iterate(start=start_step * cfg.train.grad_accum_steps)),
-                             cfg.train.grad_accum_steps, device)
+    stream = map(ulysses.shard, batches.iterate(start=start_step * cfg.train.grad_accum_steps))
     setup = _Setup(plan=plan, place=place, ctx=ctx, rank=rank, world=world, ulysses=ulysses, device=device, tokenizer=tokenizer, engine=engine,
                    total_steps=total_steps, trainable=trainable, total=total,
                    flops_per_token=perf.train_flops_per_token(total, trainable, cfg.adapter.method == "full"),
@@ -140,7 +139,7 @@ def _train(plan: WorkerPlan, place: Place, zero3: Zero3Loading, ulysses: Ulysses
     _loop(setup, stream, start_step)
 
 
-def _loop(s: _Setup, stream: _FirstStepClock, start_step: int) -> None:
+def _loop(s: _Setup, stream: Iterator[Batch], start_step: int) -> None:
     """The optimizer steps from ``start_step`` to the last, or to a stop (after its checkpoint)."""
     cfg, engine = s.plan.sft, s.engine
     cadence = Cadence(total_steps=s.total_steps, log_every=cfg.train.log_every_n_steps,
@@ -153,6 +152,7 @@ def _loop(s: _Setup, stream: _FirstStepClock, start_step: int) -> None:
     tracker: MetricsLogger | _NoTracker = _NoTracker()
     metrics: dict[str, float] = {}
     eval_rows = functools.cache(lambda: s.place.rows("eval"))  # read at the first checkpoint, off the way to the first step
+    first_step = _FirstStepClock(s.device)
 
     with contextlib.ExitStack() as after_first_step:
         engine.train()
@@ -160,6 +160,7 @@ def _loop(s: _Setup, stream: _FirstStepClock, start_step: int) -> None:
             micro: list[Batch] = [next(stream) for _ in range(cfg.train.grad_accum_steps)]
             loss, grad_norm = optimizer_step(engine, micro, s.device, want_grad_norm=cadence.logs(step + 1))
             if step == start_step:
+                first_step.mark()
                 # MLflow's set-up (client, metric history, system-metrics thread) takes seconds; done
                 # here it keeps off the way to the first step (the GPU works through the queued step meanwhile).
                 tracker = _start_tracking(s, after_first_step, start_step)
@@ -175,7 +176,7 @@ def _loop(s: _Setup, stream: _FirstStepClock, start_step: int) -> None:
                 report = {"step": done, **metrics, **({"stopped": stop} if stop and not final else {})}
                 if final:
                     report["perf/wall_s"] = time.perf_counter() - run_start
-                    report["perf/first_step_unix"] = stream.first_step_unix or 0.0
+                    report["perf/first_step_unix"] = first_step.unix() or 0.0
                 _checkpoint(s, report, done, eval_rows(), tracker)
                 if stop and not final:
                     log_rank0("stopped %s after step %d; relaunch to resume",
@@ -361,24 +362,36 @@ def _filler_batch(ulysses: UlyssesAttention | None) -> Batch:
 
 
 class _FirstStepClock:
-    """The micro-batch stream, noting the wall-clock time at which the first optimizer step has
-    finished on the device (when the next step asks for its first micro-batch): the end of start-up."""
+    """The wall-clock time at which the run's first optimizer step finished on the device: the end of
+    start-up (``perf/first_step_unix``), what a benchmark's step callback reads after a device sync.
 
-    def __init__(self, stream: Iterator[Batch], grad_accum_steps: int, device: torch.device) -> None:
-        self.stream, self.device = stream, device
-        self.first_step_unix: float | None = None
-        self._until = grad_accum_steps
+    :meth:`mark` is called as the step has been issued. On a GPU it records a CUDA event, read (with
+    one reference event synchronised before the step) when the time is asked for, so the clock
+    neither waits for the device nor counts the host's work after the step is queued (MLflow's
+    set-up, which overlaps the step there); on the CPU the step is done when it returns."""
 
-    def __iter__(self) -> _FirstStepClock:
-        return self
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._unix: float | None = None
+        self._end: Any = None
+        if self._cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+            self._start.synchronize()  # the device has done all queued work (the model's set-up): now
+            self._start_unix = time.time()
 
-    def __next__(self) -> Batch:
-        if self._until == 0 and self.first_step_unix is None:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # once per run
-            self.first_step_unix = time.time()
-        self._until -= 1
-        return next(self.stream)
+    def mark(self) -> None:
+        if self._cuda:
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._end.record()
+        else:
+            self._unix = time.time()
+
+    def unix(self) -> float | None:
+        if self._end is not None and self._unix is None:
+            self._end.synchronize()
+            self._unix = self._start_unix + self._start.elapsed_time(self._end) / 1000
+        return self._unix
 
 
 def _offload_label(cfg: SFTConfig) -> str:
