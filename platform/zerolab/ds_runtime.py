@@ -13,7 +13,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from zerolab.lean_imports import import_deepspeed
 from zerolab.worker_log import logger
 
 SHM_COMM_OP = "deepspeed_shm_comm"
@@ -25,6 +24,8 @@ group of every machine (about 30 s on two cores). Training never uses it, so it 
 def init_distributed(backend: str, **kwargs: Any) -> None:
     """``deepspeed.init_distributed`` without building :data:`SHM_COMM_OP` (DeepSpeed skips an op
     marked incompatible and falls back to the process group's all-reduce)."""
+    from zerolab.lean_imports import import_deepspeed  # here: importing it loads transformers
+
     import_deepspeed()  # a worker's first import of DeepSpeed
     import deepspeed
     import deepspeed.ops
