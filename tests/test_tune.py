@@ -53,6 +53,17 @@ def test_optuna_takes_sampled_dimensions_and_builds_its_searcher():
     assert len(sweep.samples(5)) == 5 and all(1e-4 <= s["train.lr"] <= 1e-3 for s in sweep.samples(5))
 
 
+def test_trial_actors_are_reused_unless_asha_may_stop_a_trial_that_drives_workers():
+    """A worker-group trial's actor keeps its imports for the next trial; where ASHA can stop such a
+    trial while it drives its workers, Tune could not reset the actor and the sweep stalled."""
+    group, one = load_config(None, []), load_config(None, ["scaling.num_workers=1"])
+    grid = parse_sweep({"space": {"adapter.r": {"grid": [4, 16]}}}, KEYS)
+    asha = parse_sweep({"scheduler": "asha", "space": {"adapter.r": {"grid": [4, 16]}}}, KEYS)
+    assert group.scaling.num_workers == 2 and not tune.trains_in_trial(group, grid)
+    assert tune.reuses_actors(group, grid) and not tune.reuses_actors(group, asha)
+    assert tune.reuses_actors(one, grid) and tune.reuses_actors(one, asha)
+
+
 def test_trial_config_maps_zero_options_and_keeps_the_global_batch():
     sweep = parse_sweep({"name": "s", "batch": "keep_global", "set": {"train.grad_accum_steps": 2},
                               "space": {"deepspeed.zero": {"grid": ["3+all"]}, "train.micro_batch_size": {"grid": [4, 32]}}}, KEYS)

@@ -81,6 +81,16 @@ def trains_in_trial(base: SFTConfig, sweep: Sweep) -> bool:
     return may_train_in_driver(base) and not any(d.key in LAUNCH_KEYS for d in sweep.space)
 
 
+def reuses_actors(base: SFTConfig, sweep: Sweep) -> bool:
+    """Whether Tune keeps a trial's actor for the next trial: always where trials train in their
+    actors (:func:`trains_in_trial`); for trials that drive a worker group where no scheduler stops
+    trials early. Their actor imported the training stack to build its trainer, which the next trial
+    then finds imported (10-14 s a trial on the 2-core CPU machine). A worker-group trial that ASHA
+    stops is still driving its workers when Tune resets its actor for the next trial: Tune (2.60)
+    then fails to reuse the actor and the sweep stalls, so such sweeps start an actor per trial."""
+    return trains_in_trial(base, sweep) or sweep.scheduler == "none"
+
+
 @dataclass
 class TrialRow:
     trial_id: str
@@ -183,9 +193,7 @@ def run_sweep(base: SFTConfig, sweep: Sweep, *, resume: bool = False, out_dir: s
                     param_space={d.key: d.tune_domain() for d in sweep.space},
                     tune_config=TuneConfig(
                         num_samples=sweep.num_samples, max_concurrent_trials=concurrent, search_alg=_searcher(sweep),
-                        # A trial's actor imported the training stack to build its trainer: the next
-                        # trial keeps it (an actor whose trial is still winding down is replaced).
-                        reuse_actors=True,
+                        reuse_actors=reuses_actors(base_cfg, sweep),
                         scheduler=_scheduler(sweep, base_cfg),
                         trial_name_creator=lambda t: f"{sweep.name}-{t.trial_id}", trial_dirname_creator=lambda t: t.trial_id,
                     ),
