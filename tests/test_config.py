@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from zerolab.config import ConfigError, SFTConfig, load_config, reference_markdown, reference_rows
+from zerolab.config import ConfigError, SFTConfig, load_config
+from zerolab.config_reference import reference_markdown, reference_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -158,7 +159,7 @@ def test_reference_documents_every_field_and_the_docs_match():
     assert len(rows) == len(SFTConfig().flat())
     assert all(doc for _, _, doc in rows), [key for key, _, doc in rows if not doc]
     assert reference_markdown() in (REPO / "docs" / "configuration.md").read_text(encoding="utf-8"), (
-        "docs/configuration.md's config reference is stale; regenerate it with zerolab.config.reference_markdown()")
+        "docs/configuration.md's config reference is stale; regenerate it with zerolab.config_reference.reference_markdown()")
 
 
 def test_bad_config_exits_2_with_message_and_no_traceback():

@@ -7,6 +7,7 @@ import math
 
 from zerolab.memory.context import EstimateContext
 from zerolab.memory.shapes import PROJECTIONS
+from zerolab.quantization import INT8_HELD_BYTES_PER_WEIGHT, bytes_per_row, bytes_per_weight
 
 
 def weights(job: EstimateContext) -> int:
@@ -33,7 +34,6 @@ def quantization_constants(job: EstimateContext) -> int:
     (``zerolab.quantized_products``), which keep nothing of a product for its backward."""
     if job.quantization == "none":
         return 0
-    from zerolab.quantization import INT8_HELD_BYTES_PER_WEIGHT, bytes_per_row, bytes_per_weight
 
     packed = 1.0 if job.quantization == "int8" else 0.5
     # LLM.int8()'s layers held more than their weights and scales (measured; see INT8_HELD_BYTES_PER_WEIGHT).
