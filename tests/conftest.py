@@ -68,6 +68,19 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             env={**os.environ, "MAX_JOBS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The suite runs on two pytest-xdist workers (``-n 2 --dist loadgroup`` in ``pyproject.toml``),
+    test by test; a module's tests that share a module-scoped fixture (a trained adapter, an interrupted
+    sweep) go to one worker, which builds it once. GPU cases stay apart: each worker has its own Ray."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None or item.get_closest_marker("gpu"):
+            continue
+        if any(defs[-1].scope == "module" for defs in info.name2fixturedefs.values()):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     for proc in _BACKGROUND:  # never killed: a build stopped halfway leaves its lock behind
         proc.wait()

@@ -766,14 +766,23 @@ def _measure_peak_here(cfg, steps: int) -> int:
     return peak
 
 
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize("overrides", [
-    [], ["adapter.method=full"], ["adapter.dropout=0.0"], ["adapter.method=dora"], ["adapter.method=rslora", "train.micro_batch_size=2"],
-    ["adapter.target_modules=[q_proj,v_proj]"], ["model.gradient_checkpointing=true"],
-    ["adapter.method=full", "model.gradient_checkpointing=true"], ["model.attn_implementation=eager"],
-], ids=["lora", "full", "lora-no-dropout", "dora", "rslora-b2", "lora-qv", "lora-ckpt", "full-ckpt", "eager"])
+    pytest.param([], id="lora"), pytest.param(["adapter.method=full"], id="full", marks=SLOW),
+    pytest.param(["adapter.dropout=0.0"], id="lora-no-dropout", marks=SLOW), pytest.param(["adapter.method=dora"], id="dora"),
+    pytest.param(["adapter.method=rslora", "train.micro_batch_size=2"], id="rslora-b2", marks=SLOW),
+    pytest.param(["adapter.target_modules=[q_proj,v_proj]"], id="lora-qv", marks=SLOW),
+    pytest.param(["model.gradient_checkpointing=true"], id="lora-ckpt"),
+    pytest.param(["adapter.method=full", "model.gradient_checkpointing=true"], id="full-ckpt"),
+    pytest.param(["model.attn_implementation=eager"], id="eager", marks=SLOW),
+])
 def test_fp32_training_peak_matches_the_allocator(tmp_path, overrides):
     """Two fp32 ZeRO-0 steps on CPU (torch AdamW, no DeepSpeed wrapper: what a 1-worker CPU run
-    does): the predicted peak above the weights is within 3% of the allocator's (measured: ≤ 1%)."""
+    does): the predicted peak above the weights is within 3% of the allocator's (measured: ≤ 1%).
+    Each case measures in a fresh process (about 10 s); the default tiers run LoRA, DoRA and both
+    with checkpointing, the slow tier the rest."""
     path, config = _small_model(tmp_path)
     cfg = load_config(None, [f"model.name_or_path={path}", "scaling.num_workers=1", "deepspeed.stage=0", "data.packing=true",
                              "train.micro_batch_size=4", "data.max_seq_length=128", *overrides])

@@ -16,9 +16,10 @@ from conftest import REPO, tiny_overrides
 
 pytestmark = pytest.mark.ray
 
-HUGE = {"train.micro_batch_size": 96, "data.max_seq_length": 32768, "train.max_steps": 2, "data.num_eval_rows": 0}
-"""By config, micro-batches of 96 samples of 32k tokens (terabytes of activations); the generated
-math rows are ~40 tokens, so the job itself is small."""
+HUGE = {"train.micro_batch_size": 96, "data.max_seq_length": 32768, "train.max_steps": 2, "data.num_eval_rows": 0,
+        "model.rope_scaling": "yarn", "model.rope_factor": 16}
+"""By config, micro-batches of 96 samples of 32k tokens (terabytes of activations; the tiny model's
+2,048 positions reach 32k by YaRN); the generated math rows are ~40 tokens, so the job itself is small."""
 
 
 def sft(tmp_path, *extra: str, **overrides) -> subprocess.CompletedProcess:

@@ -181,3 +181,32 @@ def test_long_row_settings_under_sequence_parallelism_match_data_parallel_step()
     assert plain["applied"].keys() == split["applied"].keys() and plain["applied"]
     for key, update in plain["applied"].items():
         torch.testing.assert_close(split["applied"][key], update, rtol=1e-4, atol=1e-6, msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_a_sequence_parallel_job_extended_from_its_checkpoint_ends_as_one_run_straight_through(ray_cluster, tmp_path, tiny_model_path):
+    """The whole job (Ray workers, DeepSpeed, MLflow) with each row split over two workers: three steps,
+    then the finished run extended to six from its checkpoint, ends with the adapter of six steps run at
+    once (a constant learning rate, so the longer schedule changes nothing before step 3)."""
+    from safetensors.torch import load_file
+
+    from conftest import tiny_overrides
+    from zerolab.config import load_config
+    from zerolab.run import run_sft
+
+    common = {"scaling.num_workers": 2, "scaling.sequence_parallel_size": 2, "data.packing": "false", "train.max_steps": 6,
+              "train.lr_scheduler": "constant", "train.warmup_ratio": 0, "train.checkpoint_every_n_steps": 3, "run.name": "sp"}
+    whole = run_sft(load_config(None, tiny_overrides(tmp_path / "whole", **common)))
+    short = load_config(None, tiny_overrides(tmp_path / "parts", **{**common, "train.max_steps": 3}))
+    run_sft(short)
+    extended = run_sft(short.with_values({"train.max_steps": 6}))
+
+    from mlflow import MlflowClient
+
+    history = MlflowClient(extended.tracking_uri).get_metric_history(extended.run_id, "train/resumed_from_step")
+    assert [m.value for m in history] == [3]
+    expected, got = (load_file(f"{r.adapter_path}/adapter_model.safetensors") for r in (whole, extended))
+    assert expected.keys() == got.keys() and expected
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-6, msg=key)
