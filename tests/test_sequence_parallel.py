@@ -1,7 +1,8 @@
 """Ulysses sequence parallelism (``scaling.sequence_parallel_size``): the config's checks, each rank's
 slice of a micro-batch, the model's head-count check, and on two gloo ranks (CPU, real DeepSpeed
 with its ALST attention) one optimizer step with the sequence split over both ranks against the same
-rows trained data-parallel: the same loss and the same LoRA update."""
+rows trained data-parallel: the same loss and the same LoRA update; and a whole job on two Ray workers
+that resumes from its checkpoint as if it had run straight through."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import free_port, rows_of
+from conftest import free_port, rows_of, tiny_overrides
 
 ACCUM = 2
 LENGTHS = [6, 9, 14]
@@ -189,9 +190,9 @@ def test_a_sequence_parallel_job_extended_from_its_checkpoint_ends_as_one_run_st
     """The whole job (Ray workers, DeepSpeed, MLflow) with each row split over two workers: three steps,
     then the finished run extended to six from its checkpoint, ends with the adapter of six steps run at
     once (a constant learning rate, so the longer schedule changes nothing before step 3)."""
+    from mlflow import MlflowClient
     from safetensors.torch import load_file
 
-    from conftest import tiny_overrides
     from zerolab.config import load_config
     from zerolab.run import run_sft
 
@@ -201,8 +202,6 @@ def test_a_sequence_parallel_job_extended_from_its_checkpoint_ends_as_one_run_st
     short = load_config(None, tiny_overrides(tmp_path / "parts", **{**common, "train.max_steps": 3}))
     run_sft(short)
     extended = run_sft(short.with_values({"train.max_steps": 6}))
-
-    from mlflow import MlflowClient
 
     history = MlflowClient(extended.tracking_uri).get_metric_history(extended.run_id, "train/resumed_from_step")
     assert [m.value for m in history] == [3]
