@@ -72,8 +72,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The suite runs on two pytest-xdist workers (``-n 2 --dist loadgroup`` in ``pyproject.toml``),
     test by test; a module's tests that share a module-scoped fixture (a trained adapter, an interrupted
-    sweep) go to one worker, which builds it once. GPU cases stay apart: each worker has its own Ray."""
+    sweep) go to one worker, which builds it once. GPU cases stay apart: each worker has its own Ray.
+    A slow-tier test (several whole jobs) may take 15 minutes beside another worker before it counts as hung."""
     for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(900))
         info = getattr(item, "_fixtureinfo", None)
         if info is None or item.get_closest_marker("gpu"):
             continue
