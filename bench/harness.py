@@ -183,6 +183,30 @@ past: the memory peak, the step's time with its first-step costs). A step's
     ]
 
 
+def _suite_sequence_parallel_7b(gpus: int, sp: int) -> list[Run]:
+    """7B LoRA r16, one long row per micro-batch, gradient checkpointing, on ``gpus`` GPUs with each row
+    split over ``sp`` of them by Ulysses sequence parallelism (``scaling.sequence_parallel_size``,
+    docs/sequence_parallel.md; the 7B shape's 28 attention and 4 key/value heads allow 2 and 4) against
+    one GPU: first 16K rows for 20 steps, the loss and gradient norm logged every second step (one GPU
+    at ZeRO-2, then sequence-parallel at ZeRO-2 and ZeRO-3: the same rows, the same steps, so their
+    curves must agree; ``bench/loss_curves.py`` compares them), then 128K rows (a minute's step on one
+    GPU) sequence-parallel at ZeRO-2 and ZeRO-3, and last the longest row the memory estimate fits here
+    sequence-parallel with checkpoint offload and the tiled MLP (a long run: about 1M tokens on two
+    H100s)."""
+    split = (f"scaling.sequence_parallel_size={sp}",)
+    long = (*split, "model.offload_checkpoints=true", "model.tiled_mlp=auto")
+    return [
+        Run("zerolab", "qwen2.5-7b", stage=2, row_tokens=16384, steps=20, window=2, checkpointing=True, variant="rows16k-ckpt",
+            timeout_s=300),
+        *[Run("zerolab", "qwen2.5-7b", gpus=gpus, stage=stage, row_tokens=16384, steps=20, window=2, checkpointing=True,
+              variant=f"sp{sp}-rows16k-ckpt", timeout_s=300, overrides=split) for stage in (2, 3)],
+        *[Run("zerolab", "qwen2.5-7b", gpus=gpus, stage=stage, row_tokens=131072, steps=2, window=1, checkpointing=True,
+              variant=f"sp{sp}-rows128k-ckpt", timeout_s=420, overrides=split) for stage in (2, 3)],
+        Run("zerolab", "qwen2.5-7b", gpus=gpus, stage=2, row_tokens=-1, steps=1, window=1, checkpointing=True,
+            variant=f"sp{sp}-rowsmax-ckpt-offload-tiled", timeout_s=3600, overrides=long),
+    ]
+
+
 SUITES: dict[str, list[Run]] = {
     # One GPU: zerolab against the baselines (0.5B and 7B shapes, packed 4k-token sequences).
     "single-0.5b": _suite_single("qwen2.5-0.5b", zero_mb=4, base_mb=4, plain_ckpt=False, steps=20, timeout_s=180),
@@ -327,6 +351,10 @@ SUITES: dict[str, list[Run]] = {
     "long-rows-0.5b": [Run("zerolab", "qwen2.5-0.5b", stage=2, row_tokens=65536, steps=6, window=3, variant=f"rows64k{label}",
                            timeout_s=420, overrides=overrides)
                        for label, overrides in (("", ()), ("-tiled", ("model.tiled_mlp=auto",)))],
+    # Ulysses sequence parallelism against one GPU (see _suite_sequence_parallel_7b): each row over two
+    # GPUs, and on eight GPUs in two groups of four (the most the 7B shape's heads allow).
+    "sp-7b-2gpu": _suite_sequence_parallel_7b(2, sp=2),
+    "sp-7b-8gpu": _suite_sequence_parallel_7b(8, sp=4),
     # CPU smoke test of the harness itself (tiny model, no GPU): every system runs a few steps.
     "cpu-smoke": [Run(s, "tiny", micro_batch=2, steps=4, window=2, checkpointing=s == "seeds", attn="sdpa", kernels="none",
                       timeout_s=600) for s in SYSTEMS],

@@ -36,6 +36,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -45,6 +46,9 @@ from zerolab import adapters
 from zerolab.config import ModelSpec, SFTConfig, load_config
 from zerolab.engine import DTYPES
 from zerolab.models import load_model
+
+if TYPE_CHECKING:
+    from zerolab.run import RunResult
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -145,7 +149,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def check_case(tmp_path: Path, model_path: str, overrides: list[str], num_workers: int, *, use_gpu: bool = True) -> None:
+def check_case(tmp_path: Path, model_path: str, overrides: list[str], num_workers: int, *, use_gpu: bool = True) -> RunResult:
     """Train one case and check its record, its checkpoint and its reload (see the module docstring)."""
     from mlflow import MlflowClient
 
@@ -174,6 +178,7 @@ def check_case(tmp_path: Path, model_path: str, overrides: list[str], num_worker
     reloaded = reloaded_logits(cfg, result.adapter_path, tmp_path, device)
     torch.testing.assert_close(reloaded["fp32"], reference, rtol=1e-4, atol=1e-4)
     assert relative_error(reloaded["bf16"], reference) < BF16_LOGITS_TOL
+    return result
 
 
 def matrix(cases: dict[str, list[str]]) -> list:
@@ -254,3 +259,26 @@ def test_long_row_settings_train_as_the_plain_path_on_a_gpu(gpu_ray, tmp_path, g
         assert eval_loss == pytest.approx(plain_eval, rel=2e-2), name
         assert params["derived.offloaded_checkpoint_layers"] == ("3" if name in ("offload", "both") else "0"), name
         assert params["derived.tiled_mlps"] == ("4" if name in ("tiled", "both") else "0"), name
+
+
+def train_losses(result: RunResult) -> list[float]:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(result.tracking_uri)
+    return [m.value for m in sorted(client.get_metric_history(result.run_id, "train/loss"), key=lambda m: m.step)]
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sequence_parallel_over_two_gpus_trains_as_one_gpu(gpu_ray, tmp_path, gpu_model_path, stage):
+    """Each packed row split over two GPUs (``scaling.sequence_parallel_size=2``: NCCL all-to-alls
+    around the varlen kernel, which attends over the whole row with half the heads), under ZeRO-2
+    and ZeRO-3 with checkpointing: the same losses as the same rows on one GPU, to bf16's rounding,
+    and every check of a tier case (record, checkpoint, the adapter reloaded in a fresh process)."""
+    from zerolab.run import run_sft
+
+    overrides = [*LONG_ROWS_BASE, f"deepspeed.stage={stage}"]
+    (tmp_path / "split").mkdir()
+    one = train_losses(run_sft(case_config(tmp_path / "one", gpu_model_path, overrides, 1)))
+    split = train_losses(check_case(tmp_path / "split", gpu_model_path, [*overrides, "scaling.sequence_parallel_size=2"], 2))
+    assert split == pytest.approx(one, rel=2e-2)
