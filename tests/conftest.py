@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import uuid
 from pathlib import Path
@@ -168,6 +169,18 @@ def step_gradients(engine):
         yield grads
     finally:
         engine.step = step
+
+
+def kill_a_training_worker() -> int:
+    """SIGKILL one live Ray Train worker of the connected Ray instance, as the kernel's OOM killer
+    would; returns its pid. The workers come from the GCS actor table, which answers without the
+    dashboard that Ray's state API (``ray.util.state``) needs and the GPU hosts' trimmed Ray lacks."""
+    from ray._private.state import actors
+
+    pids = [a["Pid"] for a in actors(actor_state_name="ALIVE").values() if a["ActorClassName"] == "RayTrainWorker"]
+    assert pids, "no training workers to kill"
+    os.kill(pids[-1], signal.SIGKILL)
+    return pids[-1]
 
 
 def trained_state(checkpoint: Path, stage: int) -> dict:

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, tiny_overrides
+from conftest import REPO, kill_a_training_worker, tiny_overrides
 from zerolab.checkpoints import CheckpointError
 from zerolab.config import load_config
 from zerolab.errors import EnvironmentProblem
@@ -74,7 +74,6 @@ def runs_named(uri: str, experiment: str, name: str):
 
 @pytest.mark.slow
 def test_killed_worker_is_replaced_and_the_run_matches_an_uninterrupted_one(ray_cluster, tmp_path, tiny_model_path):
-    from ray.util.state import list_actors
 
     reference = run_sft(load_config(None, tiny_overrides(tmp_path / "a", **LONG)))
 
@@ -84,12 +83,7 @@ def test_killed_worker_is_replaced_and_the_run_matches_an_uninterrupted_one(ray_
     thread.start()
     run_dir = Path(cfg.run.storage_path) / cfg.run.name
     first = wait_for_checkpoint(run_dir)
-    import ray
-
-    workers = list_actors(address=ray.get_runtime_context().gcs_address, detail=True,
-                          filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
-    assert workers, "no training workers to kill"
-    os.kill(workers[-1].pid, signal.SIGKILL)  # as the kernel's OOM killer would
+    kill_a_training_worker()
     thread.join(timeout=600)
     result = outcome["result"]
 

@@ -12,8 +12,6 @@ the same quantized base."""
 from __future__ import annotations
 
 import math
-import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -22,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import trained_state
+from conftest import kill_a_training_worker, trained_state
 from test_gpu_tier import BF16_LOGITS_TOL, GPUS, case_config, matrix, probe_logits, relative_error
 from zerolab import adapters
 from zerolab.config import ModelSpec, SFTConfig
@@ -100,9 +98,7 @@ def test_qlora_zero3_on_two_gpus_resumes_after_a_killed_worker(gpu_ray, tmp_path
     """nf4, ZeRO-3 over two GPUs, ``run.max_failures=1``: a worker killed after the first checkpoint
     is replaced, the run resumes from that checkpoint, logs each step once and finishes with an
     adapter that reloads onto the quantized base as trained."""
-    import ray
     from mlflow import MlflowClient
-    from ray.util.state import list_actors
 
     from test_fault_tolerance import wait_for_checkpoint
 
@@ -117,10 +113,7 @@ def test_qlora_zero3_on_two_gpus_resumes_after_a_killed_worker(gpu_ray, tmp_path
     while first is None and thread.is_alive():
         folders = [p for p in run_dir.glob("*") if p.is_dir()] if run_dir.is_dir() else []
         first = wait_for_checkpoint(folders[0]) if folders else time.sleep(0.2)
-    workers = list_actors(address=ray.get_runtime_context().gcs_address, detail=True,
-                          filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
-    assert workers, "no training workers to kill"
-    os.kill(workers[-1].pid, signal.SIGKILL)
+    kill_a_training_worker()
     thread.join(timeout=600)
     result = outcome["result"]
     assert first != f"checkpoint_{24:07d}", "the run finished before a worker could be killed"

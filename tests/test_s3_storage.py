@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import free_port, tiny_overrides
+from conftest import free_port, kill_a_training_worker, tiny_overrides
 from zerolab.checkpoints import (
     JOB_CONFIG_FILE,
     LOCK_FILE,
@@ -112,7 +110,6 @@ def assert_no_credentials(text: str, where: str) -> None:
 def test_s3_run_folder_killed_worker_resume_and_mlflow_artifacts(s3_ray, s3_env, tmp_path, tiny_model_path):
     from mlflow import MlflowClient
     from mlflow.artifacts import download_artifacts
-    from ray.util.state import list_actors
 
     from zerolab.run import run_sft, storage_path
 
@@ -131,10 +128,7 @@ def test_s3_run_folder_killed_worker_resume_and_mlflow_artifacts(s3_ray, s3_env,
     while (first := latest_checkpoint(s3, run_key)) is None:
         assert time.time() < deadline and thread.is_alive(), f"no checkpoint appeared in s3://{BUCKET}/{run_key}"
         time.sleep(0.05)
-    workers = list_actors(address=s3_ray.get_runtime_context().gcs_address, detail=True,
-                          filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
-    assert workers, "no training workers to kill"
-    os.kill(workers[-1].pid, signal.SIGKILL)  # as the kernel's OOM killer would
+    kill_a_training_worker()
     thread.join(timeout=600)
     assert "result" in outcome, "the run failed (its error is printed above)"
     result = outcome["result"]

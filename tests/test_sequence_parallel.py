@@ -6,6 +6,7 @@ that resumes from its checkpoint as if it had run straight through."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -135,14 +136,21 @@ def sp_worker(rank: int, sp: int, stage: int, extra: tuple[str, ...], port: int,
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(trainable, lr=1.0), config=config,
                                       mpu=ulysses.mpu, dist_init_required=False)
     engine.train()  # as the worker's loop does (gradient checkpointing runs in training mode only)
-    before = {k: p.detach().clone() for k, p in engine.module.named_parameters() if p.requires_grad}
+
+    def trained() -> dict:  # whole, also where ZeRO-3 partitions them
+        named = [(k, p) for k, p in engine.module.named_parameters() if p.requires_grad]
+        with deepspeed.zero.GatheredParameters([p for _, p in named]) if stage == 3 else contextlib.nullcontext():
+            return {k: p.detach().clone() for k, p in named}
+
+    before = trained()
     loss, _ = optimizer_step(engine, batches, torch.device("cpu"))
     dist.all_reduce(loss)  # each rank's share times dp: the ranks sum to dp × the step's token mean
+    after = trained()
     if rank == 0:
         results["loss"] = loss.item() / dp
         results["exchanges"] = len(exchanges)
         results["widths"] = [b.inputs["input_ids"].shape[1] for b in batches]
-        results["applied"] = {k: before[k] - p.detach() for k, p in engine.module.named_parameters() if p.requires_grad}
+        results["applied"] = {k: before[k] - after[k] for k in before}
     ulysses.close()
 
 
@@ -153,7 +161,7 @@ def run_two_ranks(sp: int, stage: int, extra: tuple[str, ...] = ()) -> dict:
         return dict(results)
 
 
-@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 2])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 2, 3])
 def test_sequence_parallel_step_matches_data_parallel_step(stage):
     plain, split = run_two_ranks(1, stage), run_two_ranks(2, stage)
     assert plain["exchanges"] == 0

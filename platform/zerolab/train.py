@@ -308,6 +308,7 @@ def optimizer_step(engine: Any, micro: list[Batch], device: torch.device, want_g
     n_targets = torch.tensor(float(sum(b.num_targets for b in micro)), device=device)
     dist.all_reduce(n_targets)
     world = dist.get_world_size() // getattr(engine, "sequence_parallel_size", 1)
+    scale = _zero3_sequence_parallel_scale(engine)
     total = torch.zeros((), dtype=torch.float64, device=device)
     grad_norm = None
     for b in micro:
@@ -317,13 +318,27 @@ def optimizer_step(engine: Any, micro: list[Batch], device: torch.device, want_g
         # accumulation steps unless engine.backward() marked the graph first; the model's own
         # loss tensor is hooked before that mark, so without a copy ZeRO-0's gradients came out
         # divided by grad_accum_steps. Backward from a copy runs the mark first.
-        engine.backward(out.loss.clone(), scale_wrt_gas=False)
+        engine.backward(out.loss.clone() * scale, scale_wrt_gas=False)
         if want_grad_norm and engine.zero_optimization_stage() == 0 and engine.is_gradient_accumulation_boundary():
             grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
             grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])) if grads else torch.zeros(())
         engine.step()
         total += out.loss.detach().double()
     return total, grad_norm
+
+
+def _zero3_sequence_parallel_scale(engine: Any) -> int:
+    """What the backward pass's loss is multiplied by so that DeepSpeed's reduction divides the
+    summed gradients by the data-parallel ranks only. ZeRO-1/2 divide by them (the world over
+    ``sequence_parallel_size``); ZeRO-3 (DeepSpeed 0.19) does so only in its all-reduce path
+    (``reduce_scatter: false``), while its default reduce-scatter (``reduce_scatter_coalesced``)
+    averages over every rank, which under sequence parallelism would leave the gradients divided by
+    the group size too (measured: half the gradient norm over two GPUs; the update under Adam and
+    clipping nearly the same, under plain SGD half)."""
+    sp = getattr(engine, "sequence_parallel_size", 1)
+    if sp == 1 or engine.zero_optimization_stage() != 3 or not getattr(engine.optimizer, "reduce_scatter", True):
+        return 1
+    return sp
 
 
 def evaluate_loss(engine: Any, cfg: SFTConfig, device: torch.device, rows: list[tuple[np.ndarray, np.ndarray]],
