@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         tokens = longest_row(row_cfg, model_config, limits, option, multiple=ROW_MULTIPLE)
         longer = longer_row_settings(row_cfg, model_config, limits, option, multiple=ROW_MULTIPLE) if args.longest_row else None
         print(format_longest_row(tokens, option, multiple=ROW_MULTIPLE, max_positions=max_position_embeddings(model_config, cfg.model),
-                                 longer=longer, rope_fix=rope_scaling_fix(tokens, model_config, cfg.model) if tokens else ()))
+                                 longer=longer, rope_fix=rope_scaling_fix(tokens, model_config, cfg.model) if tokens else (),
+                                 split=cfg.scaling.sequence_parallel_size))
     if rec is None:
         print("recommendation: nothing fits, not even micro-batch 1 with gradient checkpointing; use more or larger GPUs, "
               "shorten data.max_seq_length, or train an adapter instead of the full model")

@@ -1267,6 +1267,8 @@ def test_longer_row_settings_name_what_shortens_a_rows_cost():
     assert best.option == Option(3, "all") and best.tokens > max(r.tokens for w, r in longer.items() if w != "all of these")
     text = memory.format_longest_row(base, Option(2), multiple=1024, max_positions=32768, longer=list(longer.values()))
     assert "--set model.quantization=nf4" in text and "sequence parallelism" in text
+    split = memory.format_longest_row(base, Option(2), multiple=1024, longer=list(longer.values()), split=2)
+    assert "each row is split over 2 GPUs already" in split and "only splitting each row's tokens" not in split
 
 
 def test_cli_reports_the_longest_row_and_what_makes_it_longer(tmp_path, tiny_model_path):

@@ -53,11 +53,11 @@ SEQUENCE_PARALLEL_NOTE = ("more GPUs: ZeRO partitions weights, gradients and opt
 
 
 def format_longest_row(tokens: int | None, option: Option, *, multiple: int, max_positions: int | None = None,
-                       longer: list[LongerRow] | None = None, rope_fix: tuple[str, ...] = ()) -> str:
+                       longer: list[LongerRow] | None = None, rope_fix: tuple[str, ...] = (), split: int = 1) -> str:
     """The longest-row report: the longest ``data.max_seq_length`` that fits under ``option``
     (:func:`~zerolab.memory.planner.longest_row`), whether it passes the positions the model reaches
     (``max_positions``; ``rope_fix``: the overrides of a RoPE scaling that reaches it), and with
-    ``longer`` the settings that make a longer one fit."""
+    ``longer`` the settings that make a longer one fit (``split``: the job's ``scaling.sequence_parallel_size``)."""
     if tokens is None:
         lines = [f"longest row with {option.label}: none fits, not even {multiple:,} tokens at micro-batch 1"]
     else:
@@ -73,5 +73,7 @@ def format_longest_row(tokens: int | None, option: Option, *, multiple: int, max
             figure = "none fits" if row.tokens is None else f"{row.tokens:,} tokens"
             gain = f" ({row.tokens / tokens:.1f}×)" if row.tokens and tokens else ""
             lines.append(f"  with {row.what}: {figure}{gain} (--set {' --set '.join(row.overrides)})")
-        lines.append(f"  {SEQUENCE_PARALLEL_NOTE}")
+        lines.append(f"  {SEQUENCE_PARALLEL_NOTE}" if split == 1 else
+                     f"  more GPUs: each row is split over {split} GPUs already (scaling.sequence_parallel_size); a larger split, "
+                     "as far as the model's attention heads allow, holds a longer row")
     return "\n".join(lines)
