@@ -621,14 +621,34 @@ def test_zero3_leaf_layers_keep_the_layers_within_the_reuse_distance_of_the_forw
     embeddings = e * 151936 * h
     leaf, per_module = est(), est("deepspeed.z3_leaf_layers=false")
     prefetch = 20 * h * h * e  # zerolab's stage3_prefetch_bucket_size for adapters, 20·h² elements
-    assert leaf.device["gathered parameters"] == embeddings + 22 * layer + prefetch
+    # The prefetcher runs into the backward part of the trace and keeps every layer (see the next test).
+    assert embeddings + 22 * layer <= leaf.device["gathered parameters"] <= embeddings + 28 * layer + prefetch
     assert leaf.device["gathered parameters"] - per_module.device["gathered parameters"] > 15 * layer
     # 0.5B: the 23 layers after the first are 0.34e9 elements, so every layer stays gathered.
     small = memory.estimate(gpu_cfg("adapter.method=lora", "deepspeed.stage=3", "deepspeed.offload_optimizer=true",
                                     "deepspeed.offload_param=true", "model.kernels=liger"), QWEN25_05B)
     h = 896
     layer = e * (2 * h * h + 3 * h * 4864)  # k and v (h × 128) fall under the persistence threshold, 8·r·h elements
-    assert small.device["gathered parameters"] == e * 151936 * h + 24 * layer + 20 * h * h * e
+    assert small.device["gathered parameters"] == e * 151936 * h + 24 * layer
+
+
+def test_zero3_leaf_layers_prefetch_pins_every_layer_until_its_backward():
+    """DeepSpeed 0.19.8's prefetcher passes over parameters already gathered or in flight without
+    counting them against stage3_prefetch_bucket_size, and marks each as fetched for the later use it
+    passed, which keeps it from being released. With zerolab's uncapped stage3_max_live_parameters
+    the outer modules' fetches put it several buckets ahead, it reaches the backward part of the trace
+    during the forward pass and gathers the released layers for the backward: at the loss every layer
+    is gathered (CPU check with DeepSpeed's coordinator, 24-layer tiny Qwen2, 2 gloo ranks; measured on
+    2 H200: 7B with Ulysses over 2 GPUs at 16K tokens 25.4 GiB against 14.3 predicted, 14B nf4 18.0
+    against 12.6; with this rule 24.9 and 17.3)."""
+    cfg = gpu_cfg("adapter.method=lora", "adapter.r=16", "deepspeed.stage=3", "model.kernels=liger",
+                  "model.gradient_checkpointing=true", workers=2)
+    est = memory.estimate(cfg, QWEN25_7B)
+    h, inter, kv, e = 3584, 18944, 512, 2
+    layer = e * (2 * h * h + 2 * h * kv + 3 * h * inter)
+    head = e * 152064 * h
+    assert est.device["gathered parameters"] >= head + 26 * layer
+    assert est.device["gathered parameters"] <= 2 * head + 28 * layer
 
 
 def test_checkpointing_and_batch_scale_activations():

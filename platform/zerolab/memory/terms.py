@@ -97,7 +97,7 @@ def gathered(job: EstimateContext) -> int:
     if not job.gathers():
         return 0
     if job.cfg.deepspeed.z3_leaf_layers:
-        return _held_with_leaf_layers(job) + _prefetched(job)
+        return _held_by_leaf_coordinator(job)
     # Module -> its non-persistent parameters (name, elements, bytes); a tied head uses the embedding's.
     modules: dict[str, list[tuple[str, int, int]]] = {}
     for p in job.inv:
@@ -169,6 +169,117 @@ def _held_with_leaf_layers(job: EstimateContext) -> int:
     head = sum(job.stored_bytes(p) for p in job.inv
                if not p.adapter and p.module == ("embed_tokens" if s.tie_word_embeddings else "lm_head") and not job.persistent(p))
     return head + kept * _layer_gathered(job)
+
+
+def _held_by_leaf_coordinator(job: EstimateContext) -> int:
+    """ZeRO-3 with leaf decoder layers: the most gathered at once in a step, by replaying DeepSpeed
+    0.19.8's ``PartitionedParameterCoordinator`` on the step's module trace (the outer modules,
+    embeddings, rotary, the layers, norm, the head where it runs as a module; the backward, with
+    each layer twice under checkpointing, then the embeddings).
+
+    Each fetch prefetches ``stage3_prefetch_bucket_size`` elements of *not yet gathered* parameters
+    from the trace; entries already gathered or in flight are passed over for free, and each one
+    passed marks its parameter as fetched for that later use (``__most_recent_step_id_param_fetched_for``),
+    which ``__params_to_release`` then keeps gathered. The outer modules' fetches before the first
+    layer put the prefetch several buckets ahead; once it reaches the end of the forward pass it
+    walks the backward part of the trace over every layer still gathered, pinning each until its
+    backward, and goes on gathering the released ones for the backward. With zerolab's uncapped
+    ``stage3_max_live_parameters`` nothing stops it: on the 7B shape 26 of 28 layers are gathered
+    at the loss, on a 4-bit base (four weights per stored element, so a bucket spans ~7 layers)
+    every layer and the embeddings. Checked on CPU with DeepSpeed's coordinator (2 gloo ranks,
+    24-layer tiny Qwen2, counting gathers in flight: every layer at the loss, with and without
+    checkpointing, reuse distance 0 or ~4 layers). The reuse-distance rule is applied as well."""
+    s, k = job.shape, job.knobs
+    layer = [(job.stored_numel(p), job.stored_bytes(p)) for p in job.inv
+             if p.module.startswith("layers.") and not job.persistent(p)]
+    big = {p.module: (job.stored_numel(p), job.stored_bytes(p)) for p in job.inv
+           if p.module in ("embed_tokens", "lm_head") and not p.adapter and not job.persistent(p)}
+    size = {"E": big.get("embed_tokens", (0, 0))}
+    head = "E" if s.tie_word_embeddings else "H"
+    if not s.tie_word_embeddings:
+        size["H"] = big.get("lm_head", (0, 0))
+    for i in range(s.num_layers):
+        for j, nb in enumerate(layer):
+            size[(i, j)] = nb
+    fused = job.fused_loss
+    total = sum(n for n, _ in size.values())
+    outer = ["peft", "lora", "causal_lm", "model"]
+
+    def params(m):
+        if m == "embed":
+            return ["E"] if size["E"][0] else []
+        if m == "head":
+            return [head] if size[head][0] else []
+        return [(m[1], j) for j in range(len(layer))] if isinstance(m, tuple) else []
+
+    layers = [("L", i) for i in range(s.num_layers)]
+    forward = outer + ["embed", "rotary"] + layers + ["norm"] + ([] if fused else ["head"])
+    backward = outer[:3] + ([] if fused else ["head"]) + [outer[3], "norm"]
+    for m in reversed(layers):
+        backward += [m, m] if job.cfg.model.gradient_checkpointing else [m]
+    order = forward + backward + ["embed"]
+    queue = [(p, t) for t, m in enumerate(order) for p in params(m)]
+    gathered = {p: False for p in size}
+    if fused:
+        gathered[head] = True  # read outside its module by the fused loss: an external parameter, kept
+    state = {"q": 0, "step": 0, "peak": 0}
+    latest: dict = {}
+
+    def held() -> int:
+        return sum(size[p][1] for p, g in gathered.items() if g)
+
+    def fetch(m) -> None:
+        step = state["step"]
+        own = params(m)
+        for p in own:
+            gathered[p] = True
+        pending = {p for p in own if latest.get(p, -1) < step}
+        seen: set = set()
+        while state["q"] < len(queue) and len(seen) < len(pending):
+            p, t = queue[state["q"]]
+            state["q"] += 1
+            latest[p] = t
+            seen.add(p)
+        numel, bucket = 0, set()
+        while state["q"] < len(queue) and numel < k.prefetch_bucket_size:
+            p, t = queue[state["q"]]
+            state["q"] += 1
+            latest[p] = max(latest.get(p, -1), t)
+            if not gathered[p] and p not in bucket:
+                bucket.add(p)
+                numel += size[p][0]
+        for p in bucket:
+            gathered[p] = True
+        state["step"] += 1
+        state["peak"] = max(state["peak"], held())
+
+    def release(m, backward: bool = False) -> None:
+        step = state["step"]
+        candidates = {p for p in params(m) if latest.get(p, -1) <= step}
+        traversed = 0
+        for later in order[step:]:
+            if traversed >= k.max_reuse_distance or not candidates:
+                break
+            container = later in outer and isinstance(m, tuple)
+            candidates.difference_update(size if container else params(later))
+            traversed += total if container else sum(size[p][0] for p in params(later))
+        if backward:
+            candidates |= set(params(m))
+        for p in candidates:
+            if not (fused and p == head):
+                gathered[p] = False
+
+    for m in forward:
+        fetch(m)
+        if m not in outer:
+            release(m)
+    for t, m in enumerate(backward):
+        fetch(m)
+        last = t + 1 == len(backward) or backward[t + 1] != m
+        if m in ("head", "norm") or (isinstance(m, tuple) and last):
+            release(m, backward=True)
+    fetch("embed")
+    return state["peak"]
 
 
 def _layer_gathered(job: EstimateContext) -> int:
