@@ -3,8 +3,6 @@ model's parameters, their gradients and the optimizer — bytes per worker, one 
 
 from __future__ import annotations
 
-import math
-
 from zerolab.memory.context import EstimateContext
 from zerolab.memory.shapes import PROJECTIONS
 from zerolab.quantization import INT8_HELD_BYTES_PER_WEIGHT, bytes_per_row, bytes_per_weight
@@ -86,7 +84,7 @@ def fp8_transient(job: EstimateContext) -> int:
 def gathered(job: EstimateContext) -> int:
     """ZeRO-3 at the start of the backward pass: parameters gathered whole and still held.
 
-    With leaf decoder layers (zerolab's default) see :func:`_held_with_leaf_layers`. Per module,
+    With leaf decoder layers (zerolab's default) see :func:`_held_by_leaf_coordinator`. Per module,
     DeepSpeed releases a module's parameters after use unless they are used again within the
     next ``stage3_max_reuse_distance`` elements of the recorded module trace (forward, then
     backward, re-running each layer's forward first under gradient checkpointing). Simulating
@@ -142,33 +140,6 @@ def gathered(job: EstimateContext) -> int:
         for pid in candidates:
             held.pop(pid, None)
     return sum(held.values()) + _prefetched(job)
-
-
-def _held_with_leaf_layers(job: EstimateContext) -> int:
-    """ZeRO-3 with leaf decoder layers (``deepspeed.z3_leaf_layers``), when the loss is computed:
-    the head's weight (the embeddings' when tied) and every layer within
-    ``stage3_max_reuse_distance`` elements of the end of the forward pass.
-
-    When a leaf module is released, DeepSpeed 0.19.8 (``PartitionedParameterCoordinator.
-    __params_to_release``) scans the modules after it in the trace with ``recurse`` set by the
-    released module, so every later module counts all of its parameters, containers included. The
-    backward pass opens with the model's outer modules (their pre-backward hooks fire first, on the
-    loss): a container reached within the distance counts as a reuse of every parameter, so a layer
-    is kept when the parameters of the modules after it in the forward pass (later layers, the final
-    norm, the head where it runs as a module, i.e. without the fused loss) are fewer than the
-    distance. Checked with DeepSpeed's coordinator on CPU (8-layer model, distance 1.5, 3.5 and 6.5
-    layers: 2, 4 and 7 last layers held, with and without checkpointing). The per-module trace
-    (:func:`gathered`'s simulation, for per-module hooks) counts the backward's reuses too: on the
-    1.5B shape it kept 6 of the 22 layers that stay gathered."""
-    s = job.shape
-    layer_numel = sum(job.stored_numel(p) for p in job.inv if p.module.startswith("layers."))
-    head_numel = s.vocab_size * s.hidden_size
-    after = s.hidden_size + (0 if job.fused_loss else head_numel)  # final norm, then the head module
-    reuse = job.knobs.max_reuse_distance
-    kept = 0 if reuse <= after else min(s.num_layers, math.ceil((reuse - after) / max(layer_numel, 1)))
-    head = sum(job.stored_bytes(p) for p in job.inv
-               if not p.adapter and p.module == ("embed_tokens" if s.tie_word_embeddings else "lm_head") and not job.persistent(p))
-    return head + kept * _layer_gathered(job)
 
 
 def _held_by_leaf_coordinator(job: EstimateContext) -> int:
