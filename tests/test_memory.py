@@ -651,6 +651,24 @@ def test_zero3_leaf_layers_prefetch_pins_every_layer_until_its_backward():
     assert est.device["gathered parameters"] <= 2 * head + 28 * layer
 
 
+
+def test_zero3_live_parameter_cap_stops_the_prefetch_run_ahead(tmp_path):
+    """DeepSpeed prefetches at most ``stage3_max_live_parameters`` minus what is gathered, and passes
+    no entry at the cap: a cap of the head, the embeddings and a few layers keeps that many layers
+    gathered instead of every one (the 1e9 of Hugging Face's defaults, below the head, the embeddings
+    and one 7B layer together, prefetches nothing)."""
+    base = ["adapter.method=lora", "adapter.r=16", "deepspeed.stage=3", "model.kernels=liger", "model.gradient_checkpointing=true"]
+    h, inter, kv, e, vocab = 3584, 18944, 512, 2, 152064
+    layer = 2 * h * h + 2 * h * kv + 3 * h * inter
+    uncapped = memory.estimate(gpu_cfg(*base, workers=2), QWEN25_7B).device["gathered parameters"]
+    cap = 2 * vocab * h + 3 * layer
+    capped = memory.estimate(gpu_cfg(*base, _zero_json(tmp_path, "zero3.json", stage3_max_live_parameters=cap), workers=2),
+                             QWEN25_7B).device["gathered parameters"]
+    # The cap, one prefetch bucket started just under it, and a layer's own gather past it.
+    assert e * (2 * vocab * h + layer) <= capped <= e * (cap + 20 * h * h + layer)
+    assert capped < uncapped / 2
+
+
 def test_checkpointing_and_batch_scale_activations():
     plain = memory.estimate(gpu_cfg("model.gradient_checkpointing=false"), QWEN25_7B)
     ckpt = memory.estimate(gpu_cfg(), QWEN25_7B)

@@ -211,8 +211,11 @@ def _held_by_leaf_coordinator(job: EstimateContext) -> int:
             state["q"] += 1
             latest[p] = t
             seen.add(p)
-        numel, bucket = 0, set()
-        while state["q"] < len(queue) and numel < k.prefetch_bucket_size:
+        # DeepSpeed prefetches at most stage3_max_live_parameters minus what is gathered (and nothing,
+        # passing no entry, once that is reached): a finite cap stops the run-ahead.
+        available = sum(size[p][0] for p, g in gathered.items() if g)
+        numel, bucket, limit = 0, set(), min(k.max_live_parameters - available, k.prefetch_bucket_size)
+        while state["q"] < len(queue) and numel < limit:
             p, t = queue[state["q"]]
             state["q"] += 1
             latest[p] = max(latest.get(p, -1), t)
