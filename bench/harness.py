@@ -67,7 +67,8 @@ class Run:
     variant: str = ""
     """Short label of what differs from the system's default settings."""
     ds_settings: str = "tuned"
-    """ZeRO-3 bucket settings: ``tuned`` (zerolab's) or ``hf-defaults`` (Hugging Face's "auto" values)."""
+    """ZeRO-3 bucket settings: ``tuned`` (zerolab's), ``hf-defaults`` (Hugging Face's "auto" values) or
+    ``live-<elements>`` (zerolab's with ``stage3_max_live_parameters`` capped at that many elements)."""
     timeout_s: int = 420
     overrides: tuple[str, ...] = ()
     """Job config overrides of this run (``KEY=VALUE``), after the ones above."""
@@ -224,6 +225,13 @@ SUITES: dict[str, list[Run]] = {
                          Run("zerolab", "qwen2.5-7b", stage=2, steps=12, window=6, timeout_s=240),
                          Run("zerolab", "qwen2.5-7b", stage=2, micro_batch=2, steps=12, window=6, variant="mb2", timeout_s=240),
                          Run("zerolab-torchrun", "qwen2.5-7b", stage=2, steps=8, window=4, profile_steps=3, timeout_s=240)],
+    # ZeRO-3 over two GPUs with DeepSpeed's live-parameter count capped: uncapped (zerolab's), the prefetch
+    # passes gathered layers for free and holds every layer at the loss (docs/memory.md); capped at the head,
+    # the embeddings and three layers (1.8e9 elements) or a few more (2.5e9) it should hold about the reuse
+    # distance's layers. ZeRO-2 beside them, at one and four packed 4k rows per micro-batch: what a cap costs.
+    "zero3-live-cap-7b-2gpu": [Run("zerolab", "qwen2.5-7b", gpus=2, stage=stage, micro_batch=mb, steps=8, window=4, timeout_s=300,
+                                   variant=f"mb{mb}-{ds}", ds_settings=ds)
+                               for mb in (1, 4) for stage, ds in ((2, "tuned"), (3, "tuned"), (3, "live-1.8e9"), (3, "live-2.5e9"))],
     # ZeRO-3's decoder layers as DeepSpeed leaf modules (one gather and one hook per layer) or not.
     "zero3-leaf-7b": [Run("zerolab", "qwen2.5-7b", stage=3, steps=10, window=5, variant="leaf", timeout_s=240),
                       Run("zerolab", "qwen2.5-7b", stage=3, steps=10, window=5, variant="noleaf", timeout_s=240,
@@ -420,8 +428,8 @@ def zerolab_overrides(run: Run, ws: Workspace, *, for_torchrun: bool = False) ->
     if run.shape == "tiny":
         o = [x for x in o if not x.startswith(("model.name_or_path", "data.max_seq_length"))]
         o += ["data.max_seq_length=1024", "data.max_bad_fraction=0.2"]  # the smoke test skips the longest rows
-    if run.ds_settings == "hf-defaults":
-        o.append(f"deepspeed.config={hf_default_zero3(ws, run)}")
+    if run.ds_settings != "tuned":
+        o.append(f"deepspeed.config={zero3_variant(ws, run)}")
     o += list(run.overrides)
     if not for_torchrun:
         o += [f"run.name=bench-{run.name.replace('.', '_')}", f"run.storage_path={ws.root / 'runs'}",
@@ -429,16 +437,21 @@ def zerolab_overrides(run: Run, ws: Workspace, *, for_torchrun: bool = False) ->
     return o
 
 
-def hf_default_zero3(ws: Workspace, run: Run) -> Path:
-    """zerolab's zero3.json with the bucket values Hugging Face's integration derives for "auto"
-    (the settings of today's reference figures)."""
-    from transformers import AutoConfig
-
-    h = AutoConfig.from_pretrained(ws.models[run.shape]).hidden_size
+def zero3_variant(ws: Workspace, run: Run) -> Path:
+    """zerolab's zero3.json with ``run.ds_settings``: ``hf-defaults``, the bucket values Hugging Face's
+    integration derives for "auto" (the settings of the earliest reference figures); ``live-<n>``,
+    ``stage3_max_live_parameters`` capped at n elements (zerolab leaves it uncapped for adapters)."""
     raw = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
-    raw["zero_optimization"].update(reduce_bucket_size=h * h, stage3_prefetch_bucket_size=int(0.9 * h * h),
-                                    stage3_param_persistence_threshold=10 * h)
-    path = ws.root / "zero3_hf_defaults.json"
+    if run.ds_settings.startswith("live-"):
+        raw["zero_optimization"]["stage3_max_live_parameters"] = int(float(run.ds_settings.removeprefix("live-")))
+    else:
+        from transformers import AutoConfig
+
+        assert run.ds_settings == "hf-defaults", run.ds_settings
+        h = AutoConfig.from_pretrained(ws.models[run.shape]).hidden_size
+        raw["zero_optimization"].update(reduce_bucket_size=h * h, stage3_prefetch_bucket_size=int(0.9 * h * h),
+                                        stage3_param_persistence_threshold=10 * h)
+    path = ws.root / f"zero3_{run.ds_settings}.json"
     path.write_text(json.dumps(raw, indent=1))
     return path
 
@@ -555,7 +568,7 @@ def execute(run: Run, ws: Workspace, log: Any) -> tuple[dict[str, Any], dict[str
     row["time_to_first_step_s"] = round(metrics["first_step_unix"] - launch, 1) if metrics.get("first_step_unix") else ""
     row["mfu_attn"] = _mfu_with_attention(run, metrics)
     row["status"] = "ok"
-    calibration = _calibration_row(run, ws, metrics, node.peak_gib) if run.system == "zerolab" and run.ds_settings == "tuned" else None
+    calibration = _calibration_row(run, ws, metrics, node.peak_gib) if run.system == "zerolab" and run.ds_settings != "hf-defaults" else None
     return row, calibration
 
 
