@@ -192,8 +192,8 @@ def _suite_sequence_parallel_7b(gpus: int, sp: int) -> list[Run]:
     at ZeRO-2, then sequence-parallel at ZeRO-2 and ZeRO-3: the same rows, the same steps, so their
     curves must agree; ``bench/loss_curves.py`` compares them), then 128K rows (a minute's step on one
     GPU) sequence-parallel at ZeRO-2 and ZeRO-3, and last the longest row the memory estimate fits here
-    sequence-parallel with checkpoint offload and the tiled MLP (a long run: about 1M tokens on two
-    H100s)."""
+    sequence-parallel with checkpoint offload and the tiled MLP (a long run: about 600K tokens on two
+    H100s of a host with 256 GiB, where the pinned host copies stop it)."""
     split = (f"scaling.sequence_parallel_size={sp}",)
     long = (*split, "model.offload_checkpoints=true", "model.tiled_mlp=auto")
     return [
