@@ -159,7 +159,10 @@ def _held_by_leaf_coordinator(job: EstimateContext) -> int:
     at the loss, on a 4-bit base (four weights per stored element, so a bucket spans ~7 layers)
     every layer and the embeddings. Checked on CPU with DeepSpeed's coordinator (2 gloo ranks,
     24-layer tiny Qwen2, counting gathers in flight: every layer at the loss, with and without
-    checkpointing, reuse distance 0 or ~4 layers). The reuse-distance rule is applied as well."""
+    checkpointing, reuse distance 0 or ~4 layers). The reuse-distance rule is applied as well. A
+    finite cap stops the run-ahead (the same CPU check capped at the head, the embeddings and one or
+    three layers: 4 of 10 layers, the embeddings and the head at the loss; this replay holds all but
+    the embeddings, one third of a layer there)."""
     s, k = job.shape, job.knobs
     layer = [(job.stored_numel(p), job.stored_bytes(p)) for p in job.inv
              if p.module.startswith("layers.") and not job.persistent(p)]
