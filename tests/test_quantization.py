@@ -176,8 +176,9 @@ def test_under_zero3_the_estimate_counts_the_base_whole_while_it_loads():
     """14B shape, one packed 4k row, ZeRO-3: a quantized base loads whole on every GPU (quantized as it arrives) and
     ``deepspeed.initialize`` partitions it, so the load holds every weight packed, the embeddings
     and head, the adapters and, in flight, the larger of a projection in bf16 and the partition
-    made for the embeddings. Over eight GPUs that is the peak; over two the step's is higher for
-    nf4. int8's measured held bytes belong to bitsandbytes' own product, which ZeRO-3 does not run."""
+    made for the embeddings. The step's peak is higher over two GPUs and over eight, where ZeRO-3's
+    prefetch holds every layer gathered at the loss (``terms._held_by_leaf_coordinator``). int8's
+    measured held bytes belong to bitsandbytes' own product, which ZeRO-3 does not run."""
     from zerolab.memory import estimate
     from zerolab.memory.shapes import ModelShape
     from zerolab.models import KNOWN_CONFIGS
@@ -193,7 +194,7 @@ def test_under_zero3_the_estimate_counts_the_base_whole_while_it_loads():
     whole = linear * (0.5 + 1 / 64 + 4 / (64 * 256)) + rest * 2 + 2 * eight.trainable_params
     in_flight = max(2 * 13824 * 5120, math.ceil(shape.vocab_size * shape.hidden_size * 2 / 8))
     assert eight.device_phases["quantized load"] == pytest.approx(whole + in_flight + eight.device["framework"], rel=1e-6)
-    assert eight.device_peak_phase == "quantized load"
+    assert eight.device_peak_phase == "forward/backward" and eight.device_phases["quantized load"] < eight.device_peak
     two = estimate(load_config(None, [*overrides, "model.quantization=nf4", "scaling.num_workers=2"]), config)
     assert two.device_peak_phase == "forward/backward" and two.device_phases["quantized load"] < two.device_peak
     for other in (["model.quantization=nf4", "deepspeed.stage=2"], ["model.quantization=none"]):
