@@ -572,16 +572,19 @@ def test_offload_moves_optimizer_and_parameters_to_host():
     assert cpu.host_worker["pinned-memory rounding"] == 0  # nothing is pinned without CUDA
 
 
-def test_zero3_parameter_offload_peaks_at_the_forward_start():
+def test_zero3_parameter_offload_peaks_at_the_forward_start(tmp_path):
     """Measured with bench/memory_trace.py (7B LoRA, ZeRO-3 with parameter offload, checkpointing,
-    hooks per module, before leaf layers): the peak comes at the first layer of the forward pass,
+    hooks per module, before leaf layers, with the live-parameter cap of the time, 1e9 elements, which
+    keeps the prefetch from running ahead): the peak comes at the first layer of the forward pass,
     with the embeddings gathered whole, the fused loss's head still gathered from the step before
     and, over 2 GPUs, the partition of a gather in flight copied to the GPU; the allocator caches a
     fitted constant on top."""
+    capped = _zero_json(tmp_path, "zero3.json", stage3_max_live_parameters=int(1e9))
+
     def est(workers: int, kernels: str, tied: bool = False):
         cfg = gpu_cfg("adapter.method=lora", "deepspeed.stage=3", "deepspeed.offload_optimizer=true",
                       "deepspeed.offload_param=true", f"model.kernels={kernels}", "deepspeed.z3_leaf_layers=false",
-                      workers=workers)
+                      capped, workers=workers)
         return memory.estimate(cfg, {**QWEN25_7B, "tie_word_embeddings": tied})
 
     def start(e: memory.Estimate) -> int:
@@ -623,7 +626,8 @@ def test_zero3_leaf_layers_keep_the_layers_within_the_reuse_distance_of_the_forw
     prefetch = 20 * h * h * e  # zerolab's stage3_prefetch_bucket_size for adapters, 20·h² elements
     # The prefetcher runs into the backward part of the trace and keeps every layer (see the next test).
     assert embeddings + 22 * layer <= leaf.device["gathered parameters"] <= embeddings + 28 * layer + prefetch
-    assert leaf.device["gathered parameters"] - per_module.device["gathered parameters"] > 15 * layer
+    # Per module the run-ahead is the same (CPU check without leaf layers: every layer gathered).
+    assert per_module.device["gathered parameters"] >= leaf.device["gathered parameters"]
     # 0.5B: the 23 layers after the first are 0.34e9 elements, so every layer stays gathered.
     small = memory.estimate(gpu_cfg("adapter.method=lora", "deepspeed.stage=3", "deepspeed.offload_optimizer=true",
                                     "deepspeed.offload_param=true", "model.kernels=liger"), QWEN25_05B)

@@ -89,8 +89,12 @@ def gathered(job: EstimateContext) -> int:
     next ``stage3_max_reuse_distance`` elements of the recorded module trace (forward, then
     backward, re-running each layer's forward first under gradient checkpointing). Simulating
     that rule on the trace gives what is held when the loss is computed, plus what is prefetched
-    for what comes next (``_prefetched``). With N = 1 and no parameter offload, gathering is a
-    view of the partition (0 bytes).
+    for what comes next (``_prefetched``). The prefetch's run-ahead that keeps every layer gathered
+    under leaf layers does the same per module (the CPU check of :func:`_held_by_leaf_coordinator`
+    without leaf layers: all 10 layers at the loss with checkpointing, 10 of 10 in the forward pass
+    without, where this simulation keeps 2-3), so the larger of the two counts where the
+    live-parameter cap leaves room for the whole model. With N = 1 and no parameter offload,
+    gathering is a view of the partition (0 bytes).
     """
     if not job.gathers():
         return 0
@@ -139,7 +143,13 @@ def gathered(job: EstimateContext) -> int:
                 traversed += numel
         for pid in candidates:
             held.pop(pid, None)
-    return sum(held.values()) + _prefetched(job)
+    per_module = sum(held.values()) + _prefetched(job)
+    # The run-ahead needs a live-parameter cap that leaves room for it (zerolab's is uncapped); under a
+    # cap below the model's size (Hugging Face's 1e9, measured with bench/memory_trace.py) this
+    # simulation is what was measured.
+    if job.knobs.max_live_parameters >= sum(job.stored_numel(p) for p in job.inv if not job.persistent(p)):
+        return max(per_module, _held_by_leaf_coordinator(job))
+    return per_module
 
 
 def _held_by_leaf_coordinator(job: EstimateContext) -> int:
