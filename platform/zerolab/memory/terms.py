@@ -204,19 +204,24 @@ def _held_by_leaf_coordinator(job: EstimateContext) -> int:
     order = forward + backward + ["embed"]
     queue = [(p, t) for t, m in enumerate(order) for p in params(m)]
     gathered = {p: False for p in size}
-    if fused:
-        gathered[head] = True  # read outside its module by the fused loss: an external parameter, kept
-    state = {"q": 0, "step": 0, "peak": 0}
+    state = {"q": 0, "step": 0, "peak": 0, "numel": 0, "bytes": 0}  # numel and bytes: what is gathered
     latest: dict = {}
 
-    def held() -> int:
-        return sum(size[p][1] for p, g in gathered.items() if g)
+    def mark(p, on: bool) -> None:
+        if gathered[p] != on:
+            gathered[p] = on
+            sign = 1 if on else -1
+            state["numel"] += sign * size[p][0]
+            state["bytes"] += sign * size[p][1]
+
+    if fused:
+        mark(head, True)  # read outside its module by the fused loss: an external parameter, kept
 
     def fetch(m) -> None:
         step = state["step"]
         own = params(m)
         for p in own:
-            gathered[p] = True
+            mark(p, True)
         pending = {p for p in own if latest.get(p, -1) < step}
         seen: set = set()
         while state["q"] < len(queue) and len(seen) < len(pending):
@@ -226,8 +231,7 @@ def _held_by_leaf_coordinator(job: EstimateContext) -> int:
             seen.add(p)
         # DeepSpeed prefetches at most stage3_max_live_parameters minus what is gathered (and nothing,
         # passing no entry, once that is reached): a finite cap stops the run-ahead.
-        available = sum(size[p][0] for p, g in gathered.items() if g)
-        numel, bucket, limit = 0, set(), min(k.max_live_parameters - available, k.prefetch_bucket_size)
+        numel, bucket, limit = 0, set(), min(k.max_live_parameters - state["numel"], k.prefetch_bucket_size)
         while state["q"] < len(queue) and numel < limit:
             p, t = queue[state["q"]]
             state["q"] += 1
@@ -236,9 +240,9 @@ def _held_by_leaf_coordinator(job: EstimateContext) -> int:
                 bucket.add(p)
                 numel += size[p][0]
         for p in bucket:
-            gathered[p] = True
+            mark(p, True)
         state["step"] += 1
-        state["peak"] = max(state["peak"], held())
+        state["peak"] = max(state["peak"], state["bytes"])
 
     def release(m, backward: bool = False) -> None:
         step = state["step"]
@@ -254,7 +258,7 @@ def _held_by_leaf_coordinator(job: EstimateContext) -> int:
             candidates |= set(params(m))
         for p in candidates:
             if not (fused and p == head):
-                gathered[p] = False
+                mark(p, False)
 
     for m in forward:
         fetch(m)
