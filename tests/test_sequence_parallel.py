@@ -6,7 +6,6 @@ that resumes from its checkpoint as if it had run straight through."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import pytest
@@ -137,9 +136,9 @@ def sp_worker(rank: int, sp: int, stage: int, extra: tuple[str, ...], port: int,
                                       mpu=ulysses.mpu, dist_init_required=False)
     engine.train()  # as the worker's loop does (gradient checkpointing runs in training mode only)
 
-    def trained() -> dict:  # whole, also where ZeRO-3 partitions them
+    def trained() -> dict:  # whole, also where ZeRO-3 partitions them (a no-op for other stages' parameters)
         named = [(k, p) for k, p in engine.module.named_parameters() if p.requires_grad]
-        with deepspeed.zero.GatheredParameters([p for _, p in named]) if stage == 3 else contextlib.nullcontext():
+        with deepspeed.zero.GatheredParameters([p for _, p in named]):
             return {k: p.detach().clone() for k, p in named}
 
     before = trained()
