@@ -192,8 +192,9 @@ def _suite_sequence_parallel_7b(gpus: int, sp: int) -> list[Run]:
     at ZeRO-2, then sequence-parallel at ZeRO-2 and ZeRO-3: the same rows, the same steps, so their
     curves must agree; ``bench/loss_curves.py`` compares them), then 128K rows (a minute's step on one
     GPU) sequence-parallel at ZeRO-2 and ZeRO-3, and last the longest row the memory estimate fits here
-    sequence-parallel with checkpoint offload and the tiled MLP (a long run: about 600K tokens on two
-    H100s of a host with 256 GiB, where the pinned host copies stop it)."""
+    sequence-parallel, with checkpointing alone (about 290K tokens on two H100s, a few minutes' step)
+    and with checkpoint offload and the tiled MLP (a long run: about 600K tokens on two H100s of a
+    host with 256 GiB, where the pinned host copies stop it)."""
     split = (f"scaling.sequence_parallel_size={sp}",)
     long = (*split, "model.offload_checkpoints=true", "model.tiled_mlp=auto")
     return [
@@ -203,6 +204,8 @@ def _suite_sequence_parallel_7b(gpus: int, sp: int) -> list[Run]:
               variant=f"sp{sp}-rows16k-ckpt", timeout_s=300, overrides=split) for stage in (2, 3)],
         *[Run("zerolab", "qwen2.5-7b", gpus=gpus, stage=stage, row_tokens=131072, steps=2, window=1, checkpointing=True,
               variant=f"sp{sp}-rows128k-ckpt", timeout_s=420, overrides=split) for stage in (2, 3)],
+        Run("zerolab", "qwen2.5-7b", gpus=gpus, stage=2, row_tokens=-1, steps=1, window=1, checkpointing=True,
+            variant=f"sp{sp}-rowsmax-ckpt", timeout_s=900, overrides=split),
         Run("zerolab", "qwen2.5-7b", gpus=gpus, stage=2, row_tokens=-1, steps=1, window=1, checkpointing=True,
             variant=f"sp{sp}-rowsmax-ckpt-offload-tiled", timeout_s=3600, overrides=long),
     ]
@@ -360,8 +363,9 @@ SUITES: dict[str, list[Run]] = {
                            timeout_s=420, overrides=overrides)
                        for label, overrides in (("", ()), ("-tiled", ("model.tiled_mlp=auto",)))],
     # Ulysses sequence parallelism against one GPU (see _suite_sequence_parallel_7b): each row over two
-    # GPUs, and on eight GPUs in two groups of four (the most the 7B shape's heads allow).
+    # GPUs, over four, and on eight GPUs in two groups of four (the most the 7B shape's heads allow).
     "sp-7b-2gpu": _suite_sequence_parallel_7b(2, sp=2),
+    "sp-7b-4gpu": _suite_sequence_parallel_7b(4, sp=4),
     "sp-7b-8gpu": _suite_sequence_parallel_7b(8, sp=4),
     # CPU smoke test of the harness itself (tiny model, no GPU): every system runs a few steps.
     "cpu-smoke": [Run(s, "tiny", micro_batch=2, steps=4, window=2, checkpointing=s == "seeds", attn="sdpa", kernels="none",
