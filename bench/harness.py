@@ -204,6 +204,8 @@ def _suite_sequence_parallel_7b(gpus: int, sp: int) -> list[Run]:
               variant=f"sp{sp}-rows16k-ckpt", timeout_s=300, overrides=split) for stage in (2, 3)],
         *[Run("zerolab", "qwen2.5-7b", gpus=gpus, stage=stage, row_tokens=131072, steps=2, window=1, checkpointing=True,
               variant=f"sp{sp}-rows128k-ckpt", timeout_s=420, overrides=split) for stage in (2, 3)],
+        Run("zerolab", "qwen2.5-7b", gpus=gpus, stage=2, row_tokens=262144, steps=2, window=1, checkpointing=True,
+            variant=f"sp{sp}-rows256k-ckpt", timeout_s=600, overrides=split),
         Run("zerolab", "qwen2.5-7b", gpus=gpus, stage=2, row_tokens=-1, steps=1, window=1, checkpointing=True,
             variant=f"sp{sp}-rowsmax-ckpt", timeout_s=900, overrides=split),
         Run("zerolab", "qwen2.5-7b", gpus=gpus, stage=2, row_tokens=-1, steps=1, window=1, checkpointing=True,
