@@ -400,10 +400,12 @@ def _predict(case: Case, out: Path) -> dict[str, float]:
 
 def estimate_overrides(overrides: list[str]) -> list[str]:
     """The overrides that decide the estimate, without paths that exist only where the run ran:
-    data files become the generated task data of the same row count, the model its shape."""
+    data files become the generated task data of the same row count (no eval split where the run
+    had none: a train file alone has none), the model its shape."""
     drop = ("model.name_or_path=", "data.train_path=", "data.eval_path=", "run.", "tracking.")
     kept = [o for o in overrides if not o.startswith(drop)]
-    return [("data.task=math_sum" if o == "data.task=custom" else o) for o in kept]
+    files_only = "data.task=custom" in overrides and not any(o.startswith("data.eval_path=") for o in overrides)
+    return [("data.task=math_sum" if o == "data.task=custom" else o) for o in kept] + (["data.num_eval_rows=0"] if files_only else [])
 
 
 def resolved_overrides(overrides: list[str]) -> list[str]:

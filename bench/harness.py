@@ -68,7 +68,8 @@ class Run:
     """Short label of what differs from the system's default settings."""
     ds_settings: str = "tuned"
     """ZeRO-3 bucket settings: ``tuned`` (zerolab's), ``hf-defaults`` (Hugging Face's "auto" values) or
-    ``live-<elements>`` (zerolab's with ``stage3_max_live_parameters`` capped at that many elements)."""
+    ``live-<elements>`` (zerolab's with ``stage3_max_live_parameters`` at that many elements, or
+    ``live-uncapped``)."""
     timeout_s: int = 420
     overrides: tuple[str, ...] = ()
     """Job config overrides of this run (``KEY=VALUE``), after the ones above."""
@@ -230,13 +231,13 @@ SUITES: dict[str, list[Run]] = {
                          Run("zerolab", "qwen2.5-7b", stage=2, steps=12, window=6, timeout_s=240),
                          Run("zerolab", "qwen2.5-7b", stage=2, micro_batch=2, steps=12, window=6, variant="mb2", timeout_s=240),
                          Run("zerolab-torchrun", "qwen2.5-7b", stage=2, steps=8, window=4, profile_steps=3, timeout_s=240)],
-    # ZeRO-3 over two GPUs with DeepSpeed's live-parameter count capped: uncapped (zerolab's), the prefetch
-    # passes gathered layers for free and holds every layer at the loss (docs/memory.md); capped at the head,
-    # the embeddings and three layers (1.8e9 elements) or a few more (2.5e9) it should hold about the reuse
-    # distance's layers. ZeRO-2 beside them, at one and four packed 4k rows per micro-batch: what a cap costs.
+    # ZeRO-3 over two GPUs with DeepSpeed's live-parameter count capped at zerolab's derived value (the head,
+    # the embeddings and three layers: 1.79e9 elements), at 2.5e9, and uncapped, where the prefetch passes
+    # gathered layers for free and holds every layer at the loss (docs/memory.md). ZeRO-2 beside them, at one
+    # and four packed 4k rows per micro-batch: what the cap costs or saves (mb1 measured in h200x4-64).
     "zero3-live-cap-7b-2gpu": [Run("zerolab", "qwen2.5-7b", gpus=2, stage=stage, micro_batch=mb, steps=8, window=4, timeout_s=300,
                                    variant=f"mb{mb}-{ds}", ds_settings=ds)
-                               for mb in (1, 4) for stage, ds in ((2, "tuned"), (3, "tuned"), (3, "live-1.8e9"), (3, "live-2.5e9"))],
+                               for mb in (1, 4) for stage, ds in ((2, "tuned"), (3, "tuned"), (3, "live-uncapped"), (3, "live-2.5e9"))],
     # ZeRO-3's decoder layers as DeepSpeed leaf modules (one gather and one hook per layer) or not.
     "zero3-leaf-7b": [Run("zerolab", "qwen2.5-7b", stage=3, steps=10, window=5, variant="leaf", timeout_s=240),
                       Run("zerolab", "qwen2.5-7b", stage=3, steps=10, window=5, variant="noleaf", timeout_s=240,
@@ -446,10 +447,14 @@ def zerolab_overrides(run: Run, ws: Workspace, *, for_torchrun: bool = False) ->
 def zero3_variant(ws: Workspace, run: Run) -> Path:
     """zerolab's zero3.json with ``run.ds_settings``: ``hf-defaults``, the bucket values Hugging Face's
     integration derives for "auto" (the settings of the earliest reference figures); ``live-<n>``,
-    ``stage3_max_live_parameters`` capped at n elements (zerolab leaves it uncapped for adapters)."""
+    ``stage3_max_live_parameters`` at n elements (zerolab derives it from the model for adapters) or,
+    ``live-uncapped``, more than any model has."""
+    from zerolab.ds_config import UNCAPPED
+
     raw = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
     if run.ds_settings.startswith("live-"):
-        raw["zero_optimization"]["stage3_max_live_parameters"] = int(float(run.ds_settings.removeprefix("live-")))
+        live = run.ds_settings.removeprefix("live-")
+        raw["zero_optimization"]["stage3_max_live_parameters"] = UNCAPPED if live == "uncapped" else int(float(live))
     else:
         from transformers import AutoConfig
 
@@ -608,7 +613,9 @@ def _collect(run: Run, result: Path) -> dict[str, Any]:
 def _mfu_with_attention(run: Run, metrics: dict[str, Any]) -> float | str:
     """MFU with attention's FLOPs counted (``zerolab.perf.attention_train_flops_per_token``), for runs
     of long rows, whose micro-batch rows are one sample each: the sample's length is the tokens of a
-    step per row. Empty for the data mix (samples of many lengths packed together)."""
+    step per row, a row being shared by the ``scaling.sequence_parallel_size`` GPUs of its group (each
+    computes its share of the heads over the whole row). Empty for the data mix (samples of many
+    lengths packed together)."""
     from bench.calibrate_memory import shape_model_config
 
     from zerolab import perf
@@ -617,7 +624,8 @@ def _mfu_with_attention(run: Run, metrics: dict[str, Any]) -> float | str:
     if run.row_tokens <= 0 or not metrics.get("mfu") or not metrics.get("tokens_per_step"):
         return ""
     shape = ModelShape.from_config(shape_model_config(run.shape))
-    sample = metrics["tokens_per_step"] / (run.micro_batch * run.gpus)
+    split = next((int(o.split("=", 1)[1]) for o in run.overrides if o.startswith("scaling.sequence_parallel_size=")), 1)
+    sample = metrics["tokens_per_step"] * split / (run.micro_batch * run.gpus)
     attention = metrics["tokens_per_s_per_gpu"] * perf.attention_train_flops_per_token(int(sample), shape.q_dim, shape.num_layers)
     peak = perf.peak_flops_of(metrics.get("device", ""))
     return round(float(metrics["mfu"]) + attention / peak, 4) if peak else ""

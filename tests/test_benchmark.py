@@ -43,6 +43,24 @@ def test_ratios_to_trl_are_over_the_median_of_its_runs_of_the_same_work(harness)
     assert "| 1.42× · 0.88× · 0.89× |" in table and "| 1.47× · — · 1.97× |" in table
 
 
+def test_attention_flops_of_a_split_row_count_the_whole_row(harness):
+    """A row split over a sequence-parallel group is one sample of the whole row's length: the
+    attention FLOPs per token are those of the full row, however many GPUs share it (h200x4-64: a
+    128K row over four H200s, 2,204 tokens/s per GPU; over one, 2,266)."""
+    from zerolab import perf
+
+    q_dim, layers, row_tokens = 3584, 28, 131067
+    metrics = {"mfu": 0.069, "tokens_per_step": row_tokens, "tokens_per_s_per_gpu": 2204.0, "device": "NVIDIA H200"}
+    four = harness.Run("zerolab", "qwen2.5-7b", gpus=4, stage=2, row_tokens=131072, checkpointing=True,
+                       overrides=("scaling.sequence_parallel_size=4",))
+    attention = 2204.0 * perf.attention_train_flops_per_token(row_tokens, q_dim, layers) / perf.peak_flops_of("NVIDIA H200")
+    assert harness._mfu_with_attention(four, metrics) == round(0.069 + attention, 4)
+    # Four GPUs each with a row of their own (data parallel): four samples of the step's quarter.
+    apart = harness.Run("zerolab", "qwen2.5-7b", gpus=4, stage=2, row_tokens=32768, checkpointing=True)
+    quarter = 2204.0 * perf.attention_train_flops_per_token(row_tokens // 4, q_dim, layers) / perf.peak_flops_of("NVIDIA H200")
+    assert harness._mfu_with_attention(apart, metrics) == round(0.069 + quarter, 4)
+
+
 def test_trl_starts_without_a_launcher_on_one_gpu_and_under_torchrun_on_several(harness, tmp_path):
     assert "trl" in harness.SYSTEMS and {r.system for r in harness.SUITES["cpu-smoke"]} == set(harness.SYSTEMS)
     ws = harness.Workspace(tmp_path)

@@ -176,8 +176,8 @@ def test_under_zero3_the_estimate_counts_the_base_whole_while_it_loads():
     """14B shape, one packed 4k row, ZeRO-3: a quantized base loads whole on every GPU (quantized as it arrives) and
     ``deepspeed.initialize`` partitions it, so the load holds every weight packed, the embeddings
     and head, the adapters and, in flight, the larger of a projection in bf16 and the partition
-    made for the embeddings. The step's peak is higher over two GPUs and over eight, where ZeRO-3's
-    prefetch holds every layer gathered at the loss (``terms._held_by_leaf_coordinator``). int8's
+    made for the embeddings. The step's peak is higher over two GPUs and over eight, with the layers
+    ZeRO-3 holds gathered under its live-parameter cap (``terms._held_by_leaf_coordinator``). int8's
     measured held bytes belong to bitsandbytes' own product, which ZeRO-3 does not run."""
     from zerolab.memory import estimate
     from zerolab.memory.shapes import ModelShape

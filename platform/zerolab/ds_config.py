@@ -12,9 +12,12 @@ import copy
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zerolab.config import ConfigError, SFTConfig
+
+if TYPE_CHECKING:
+    from zerolab.memory.shapes import ModelShape
 
 
 def _ds_config_dir() -> Path:
@@ -45,12 +48,36 @@ def config_path(cfg: SFTConfig) -> Path:
 
 
 UNCAPPED = 2**62
-"""``stage3_max_live_parameters`` for adapter training: more elements than any model has."""
+"""``stage3_max_live_parameters`` for adapter training where the model's shape is unknown: more
+elements than any model has."""
+
+LIVE_LAYERS = 3
+"""Decoder layers ZeRO-3 may hold gathered beside the embeddings and the head in adapter training."""
 
 
-def resolve(cfg: SFTConfig, hidden_size: int, path: Path | None = None) -> dict[str, Any]:
+def live_parameter_cap(shape: ModelShape) -> int:
+    """``stage3_max_live_parameters`` for adapter training: the embeddings and the output head (the
+    head stays gathered for the fused loss) plus :data:`LIVE_LAYERS` decoder layers' projections, in
+    elements of the bf16 shape (1.79e9 for Qwen2.5-7B). A quantized base stores fewer elements per
+    weight, so the same cap holds proportionally more of its layers in the same bytes.
+
+    DeepSpeed prefetches only up to the cap minus what is gathered. Hugging Face's 1e9 is less than
+    a 7B model's embeddings, head and one layer together, so its prefetch fell apart into single
+    weights (586 gathers per step on two GPUs, where leaf layers make ~60). Without a cap, the
+    prefetch passes layers that are still gathered for free and marks them for their backward use,
+    so every layer is gathered at the loss: ZeRO-3 then holds the whole frozen model on every GPU
+    (docs/memory.md). This cap holds about the reuse distance's layers: on two H200s, 7B LoRA, one
+    4k row per GPU, 28.5 GiB per GPU against 38.5 uncapped, and 1.10× the tokens/s (lease h200x4-64,
+    docs/benchmark.md)."""
+    layer = sum(fan_in * fan_out for fan_in, fan_out in shape.linear_shapes().values())
+    outer = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
+    return outer + LIVE_LAYERS * layer
+
+
+def resolve(cfg: SFTConfig, hidden_size: int, path: Path | None = None, *, live_parameters: int | None = None) -> dict[str, Any]:
     """The DeepSpeed config dict for this job from ``path`` (default: :func:`config_path`), every
-    ``"auto"`` filled; raises ConfigError on conflicts."""
+    ``"auto"`` filled; raises ConfigError on conflicts. ``live_parameters`` is the model's
+    :func:`live_parameter_cap` (None where its shape is unknown: uncapped)."""
     path = path or config_path(cfg)
     try:
         raw = json.loads(path.read_text())
@@ -58,11 +85,26 @@ def resolve(cfg: SFTConfig, hidden_size: int, path: Path | None = None) -> dict[
         raise ConfigError([f"deepspeed.config: no such file '{path}'; give a DeepSpeed JSON path or leave it empty"]) from None
     except json.JSONDecodeError as exc:
         raise ConfigError([f"deepspeed.config: '{path}' is not valid JSON ({exc}); fix the file"]) from None
-    return fill(raw, cfg, hidden_size, source=str(path), shipped=not cfg.deepspeed.config)
+    return fill(raw, cfg, hidden_size, source=str(path), shipped=not cfg.deepspeed.config, live_parameters=live_parameters)
+
+
+def for_model(cfg: SFTConfig, model_config: Any, path: Path | None = None) -> dict[str, Any]:
+    """:func:`resolve` for the model of ``model_config`` (a transformers config, a dict of one, or a
+    ``ModelShape``): its hidden size and, for Llama/Qwen2-style decoders, its :func:`live_parameter_cap`."""
+    from zerolab.memory.errors import MemoryEstimateError
+    from zerolab.memory.shapes import ModelShape
+
+    get = model_config.get if isinstance(model_config, dict) else lambda k: getattr(model_config, k, None)
+    try:
+        shape = model_config if isinstance(model_config, ModelShape) else ModelShape.from_config(model_config)
+        cap: int | None = live_parameter_cap(shape)
+    except MemoryEstimateError:
+        cap = None
+    return resolve(cfg, get("hidden_size") or 1024, path, live_parameters=cap)
 
 
 def fill(raw: dict[str, Any], cfg: SFTConfig, hidden_size: int, *, source: str = "deepspeed.config",
-         shipped: bool = False) -> dict[str, Any]:
+         shipped: bool = False, live_parameters: int | None = None) -> dict[str, Any]:
     """Fill ``raw``'s "auto" values from the job config; list every contradiction. A ``shipped``
     file (one of ``ds_configs/``, chosen from the stage and offload flags) follows the flags where
     they turn an offload off, e.g. ZeRO-3 with only the optimizer offloaded."""
@@ -124,24 +166,19 @@ def fill(raw: dict[str, Any], cfg: SFTConfig, hidden_size: int, *, source: str =
                 f"set deepspeed.{section}=true or remove the section"
             )
     # DeepSpeed's and Hugging Face's defaults for bucket sizes scale with the hidden size. Adapter
-    # training under ZeRO-3 gets two changes: every adapter matrix (at most r × 8h elements for
+    # training under ZeRO-3 gets three changes: every adapter matrix (at most r × 8h elements for
     # intermediate sizes up to 8h) stays whole on every rank, since gathering several hundred tiny
-    # tensors per pass, one collective each, costs far more time than their memory; and the
-    # frozen weights are prefetched a whole decoder layer ahead (a Llama/Qwen2 layer is ~12-20 h²
+    # tensors per pass, one collective each, costs far more time than their memory; the frozen
+    # weights are prefetched a whole decoder layer ahead (a Llama/Qwen2 layer is ~12-20 h²
     # elements), so the gathers overlap the previous layer's compute instead of waiting for it; and
-    # the number of gathered elements is not capped. DeepSpeed prefetches only up to
-    # stage3_max_live_parameters minus what is gathered; Hugging Face's 1e9 is about four 7B layers,
-    # less than the head (kept gathered for the fused loss), the embeddings and a layer together, so
-    # on a 7B model the prefetch was cut to a few weights at a time or none (586 gathers per step on
-    # two GPUs, where leaf layers make ~60; docs/benchmark.md). What stays gathered is then what the
-    # reuse distance keeps plus one prefetch bucket, as the memory estimate counts it.
+    # the number of gathered elements is capped by the model's shape (live_parameter_cap).
     h = hidden_size
     adapter = cfg.adapter.is_peft()
     derived = {
         "reduce_bucket_size": h * h,
         "stage3_prefetch_bucket_size": 20 * h * h if adapter else int(0.9 * h * h),
         "stage3_param_persistence_threshold": max(10 * h, 8 * cfg.adapter.r * h + 1) if adapter else 10 * h,
-        "stage3_max_live_parameters": UNCAPPED if adapter else int(1e9),
+        "stage3_max_live_parameters": (live_parameters or UNCAPPED) if adapter else int(1e9),
     }
     for key, value in derived.items():
         if zero.get(key) == "auto":

@@ -281,10 +281,9 @@ def check_against_model(cfg: SFTConfig, model_config: Any, deepspeed_file: Path)
                 f"choose from {sorted(linear)} or use [all-linear]"
             )
     problems.extend(_position_problems(cfg, model_config))
-    hidden = model_config.get("hidden_size") if isinstance(model_config, dict) else getattr(model_config, "hidden_size", None)
     resolved: dict[str, Any] = {}
     try:
-        resolved = ds_config.resolve(cfg, hidden or 1024, deepspeed_file)
+        resolved = ds_config.for_model(cfg, model_config, deepspeed_file)
     except ConfigError as exc:
         problems.extend(exc.problems)
     if problems:

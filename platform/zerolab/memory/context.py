@@ -35,8 +35,8 @@ class ZeroKnobs:
     memory_efficient_linear: bool
 
     @classmethod
-    def resolve(cls, cfg: SFTConfig, hidden_size: int) -> ZeroKnobs:
-        zero = ds_config.resolve(cfg, hidden_size).get("zero_optimization", {})
+    def resolve(cls, cfg: SFTConfig, shape: ModelShape) -> ZeroKnobs:
+        zero = ds_config.for_model(cfg, shape).get("zero_optimization", {})
         stage3 = cfg.deepspeed.stage == 3
         offload = [zero.get(k) or {} for k in ("offload_optimizer", "offload_param")]
         return cls(

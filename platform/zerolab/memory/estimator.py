@@ -68,7 +68,7 @@ def estimate(cfg: SFTConfig, model_config: Any, *, calibration: Calibration = DE
         # shards here miss the rows that equal train shards drop).
         length = auto_max_seq_length(data.longest_row, max_position_embeddings(model_config, cfg.model))
         cfg = cfg.replace(data=dataclasses.replace(cfg.data, max_seq_length=length))
-    knobs = ZeroKnobs.resolve(cfg, shape.hidden_size)
+    knobs = ZeroKnobs.resolve(cfg, shape)
     option = Option.of(cfg)
     inventory = parameter_inventory(shape, cfg.adapter)
     _, unknown = target_projections(cfg.adapter)

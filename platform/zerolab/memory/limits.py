@@ -91,11 +91,14 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)(B?)\s*$", re.IGNORECASE
 
 def parse_size(text: str) -> int:
     """Bytes from ``24GiB``, ``80GB``, ``500MiB``, ``64G`` (a bare K/M/G/T is binary) or a plain
-    byte count. Raises ValueError with the accepted forms."""
+    byte count of at least 1 MiB (a smaller bare number, such as ``80``, is a unit left out).
+    Raises ValueError with the accepted forms."""
     match = _SIZE.match(str(text))
     if not match or (match.group(3) and not match.group(2)):
         raise ValueError(f"{text!r} is not a size; write e.g. 24GiB, 80GB, 500MiB or 64G")
     number, prefix, binary, unit = match.groups()
+    if not prefix and float(number) < 2**20:
+        raise ValueError(f"{text!r} would be {number} bytes; give the unit, e.g. {number}GiB or {number}GB")
     power = "KMGT".find(prefix.upper()) + 1 if prefix else 0
     base = 1000 if (unit and not binary) else 1024
     return int(float(number) * base**power)
