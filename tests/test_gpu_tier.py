@@ -285,3 +285,28 @@ def test_sequence_parallel_over_two_gpus_trains_as_one_gpu(gpu_ray, tmp_path, gp
     split = check_case(tmp_path / "split", gpu_model_path, [*overrides, "scaling.sequence_parallel_size=2"], 2)
     for metric in ("train/loss", "train/grad_norm"):
         assert history(split, metric) == pytest.approx(history(one, metric), rel=2e-2), metric
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
+def test_sequence_parallel_job_extended_from_its_checkpoint_on_two_gpus(gpu_ray, tmp_path, gpu_model_path):
+    """Each row split over two GPUs under ZeRO-3 (DeepSpeed names the checkpoint's files by the
+    sequence-parallel rank, and each rank reads its own back): three steps, then the finished run
+    extended to six from its checkpoint, ends with the adapter of six steps run at once (a constant
+    learning rate), to bf16's rounding. The CPU tier checks the same with gloo and ZeRO-2."""
+    from safetensors.torch import load_file
+
+    from zerolab.run import run_sft
+
+    overrides = [*LONG_ROWS_BASE, "deepspeed.stage=3", "scaling.sequence_parallel_size=2", "train.lr_scheduler=constant",
+                 "train.warmup_ratio=0", "train.checkpoint_every_n_steps=3", "train.max_steps=6", "run.name=sp"]
+    whole = run_sft(case_config(tmp_path / "whole", gpu_model_path, overrides, 2))
+    short = case_config(tmp_path / "parts", gpu_model_path, [*overrides, "train.max_steps=3"], 2)
+    run_sft(short)
+    extended = run_sft(short.with_values({"train.max_steps": 6}))
+
+    assert history(extended, "train/resumed_from_step") == [3]
+    expected, got = (load_file(f"{r.adapter_path}/adapter_model.safetensors") for r in (whole, extended))
+    assert expected.keys() == got.keys() and expected
+    for key in expected:
+        assert torch.count_nonzero(got[key]) > 0, key
+        assert (got[key].float() - expected[key].float()).norm() <= 1e-2 * expected[key].float().norm(), key
