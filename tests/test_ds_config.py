@@ -70,15 +70,17 @@ def test_zero3_adapter_prefetch_is_not_cut_short_by_the_live_parameter_cap(model
     """DeepSpeed prefetches only up to stage3_max_live_parameters minus what is gathered. Under LoRA
     the output head stays gathered (the fused loss reads it) beside the embeddings and the layer in
     use; with Hugging Face's cap of 1e9 (the shipped files' value before) a 7B step's next layer did
-    not fit beside them, and its weights were gathered a few at a time. The cap leaves room for
-    them and the full prefetch bucket on every known shape."""
+    not fit beside them, and its weights were gathered a few at a time. The cap derived from the
+    model leaves room for them and the full prefetch bucket on every known shape, and no more than
+    three layers beside the embeddings and the head (uncapped, every layer stayed gathered)."""
     from zerolab.models import KNOWN_CONFIGS
 
     shape = KNOWN_CONFIGS[model]
     h, vocab = shape["hidden_size"], shape["vocab_size"]
     kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
     layer = 2 * h * h + 2 * h * kv + 3 * h * shape["intermediate_size"]  # a decoder layer's weights
+    outer = vocab * h * (1 if shape.get("tie_word_embeddings") else 2)  # the embeddings and the head
     cfg = load_config(None, ["deepspeed.stage=3", f"deepspeed.offload_param={str(offload).lower()}", "adapter.method=lora"])
-    zero = ds_config.resolve(cfg, h)["zero_optimization"]
-    held = 2 * vocab * h + layer
-    assert zero["stage3_max_live_parameters"] - held >= zero["stage3_prefetch_bucket_size"] >= layer
+    zero = ds_config.for_model(cfg, shape)["zero_optimization"]
+    assert zero["stage3_max_live_parameters"] == outer + 3 * layer
+    assert zero["stage3_max_live_parameters"] - (outer + layer) >= zero["stage3_prefetch_bucket_size"] >= layer
