@@ -193,10 +193,13 @@ def test_long_row_settings_under_sequence_parallelism_match_data_parallel_step()
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_a_sequence_parallel_job_extended_from_its_checkpoint_ends_as_one_run_straight_through(ray_cluster, tmp_path, tiny_model_path):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_sequence_parallel_job_extended_from_its_checkpoint_ends_as_one_run_straight_through(ray_cluster, tmp_path, tiny_model_path,
+                                                                                             stage):
     """The whole job (Ray workers, DeepSpeed, MLflow) with each row split over two workers: three steps,
     then the finished run extended to six from its checkpoint, ends with the adapter of six steps run at
-    once (a constant learning rate, so the longer schedule changes nothing before step 3)."""
+    once (a constant learning rate, so the longer schedule changes nothing before step 3). Under ZeRO-3
+    each rank's partition files carry its sequence-parallel rank as their model-parallel rank."""
     from mlflow import MlflowClient
     from safetensors.torch import load_file
 
@@ -204,6 +207,7 @@ def test_a_sequence_parallel_job_extended_from_its_checkpoint_ends_as_one_run_st
     from zerolab.run import run_sft
 
     common = {"scaling.num_workers": 2, "scaling.sequence_parallel_size": 2, "data.packing": "false", "train.max_steps": 6,
+              "deepspeed.stage": stage,
               "train.lr_scheduler": "constant", "train.warmup_ratio": 0, "train.checkpoint_every_n_steps": 3, "run.name": "sp"}
     whole = run_sft(load_config(None, tiny_overrides(tmp_path / "whole", **common)))
     short = load_config(None, tiny_overrides(tmp_path / "parts", **{**common, "train.max_steps": 3}))
