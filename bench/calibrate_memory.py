@@ -404,7 +404,7 @@ def estimate_overrides(overrides: list[str]) -> list[str]:
     had none: a train file alone has none), the model its shape."""
     drop = ("model.name_or_path=", "data.train_path=", "data.eval_path=", "run.", "tracking.")
     kept = [o for o in overrides if not o.startswith(drop)]
-    files_only = "data.task=custom" in overrides and not any(o.startswith("data.eval_path=") for o in overrides)
+    files_only = any(o.startswith("data.train_path=") for o in overrides) and not any(o.startswith("data.eval_path=") for o in overrides)
     return [("data.task=math_sum" if o == "data.task=custom" else o) for o in kept] + (["data.num_eval_rows=0"] if files_only else [])
 
 

@@ -59,6 +59,10 @@ def test_attention_flops_of_a_split_row_count_the_whole_row(harness):
     apart = harness.Run("zerolab", "qwen2.5-7b", gpus=4, stage=2, row_tokens=32768, checkpointing=True)
     quarter = 2204.0 * perf.attention_train_flops_per_token(row_tokens // 4, q_dim, layers) / perf.peak_flops_of("NVIDIA H200")
     assert harness._mfu_with_attention(apart, metrics) == round(0.069 + quarter, 4)
+    # Eight GPUs in two groups of four: two rows per step, each the whole row's length.
+    groups = harness.Run("zerolab", "qwen2.5-7b", gpus=8, stage=2, row_tokens=131072, checkpointing=True,
+                         overrides=("scaling.sequence_parallel_size=4",))
+    assert harness._mfu_with_attention(groups, {**metrics, "tokens_per_step": 2 * row_tokens}) == round(0.069 + attention, 4)
 
 
 def test_trl_starts_without_a_launcher_on_one_gpu_and_under_torchrun_on_several(harness, tmp_path):

@@ -84,3 +84,17 @@ def test_zero3_adapter_prefetch_is_not_cut_short_by_the_live_parameter_cap(model
     zero = ds_config.for_model(cfg, shape)["zero_optimization"]
     assert zero["stage3_max_live_parameters"] == outer + 3 * layer
     assert zero["stage3_max_live_parameters"] - (outer + layer) >= zero["stage3_prefetch_bucket_size"] >= layer
+
+
+def test_mixture_of_experts_and_unknown_models_stay_uncapped():
+    """The cap counts a dense layer; a mixture-of-experts layer holds many (a Mixtral layer alone is
+    above the cap its dense shape would give), and a model the estimator cannot read has no shape:
+    both keep DeepSpeed's prefetch uncapped rather than cut into single weights."""
+    from zerolab.models import KNOWN_CONFIGS
+
+    cfg = load_config(None, ["deepspeed.stage=3", "adapter.method=lora"])
+    dense = dict(KNOWN_CONFIGS["Qwen/Qwen2.5-7B"])
+    moe = {**dense, "model_type": "mixtral", "num_local_experts": 8}
+    live = [ds_config.for_model(cfg, c)["zero_optimization"]["stage3_max_live_parameters"]
+            for c in (dense, moe, {"model_type": "gpt2", "hidden_size": 768})]
+    assert live[0] < 2e9 and live[1] == live[2] == ds_config.UNCAPPED

@@ -292,7 +292,7 @@ def test_sequence_parallel_job_extended_from_its_checkpoint_on_two_gpus(gpu_ray,
     """Each row split over two GPUs under ZeRO-3 (DeepSpeed names the checkpoint's files by the
     sequence-parallel rank, and each rank reads its own back): three steps, then the finished run
     extended to six from its checkpoint, ends with the adapter of six steps run at once (a constant
-    learning rate), to bf16's rounding. The CPU tier checks the same with gloo and ZeRO-2."""
+    learning rate), to bf16's rounding. The slow CPU tier checks the same with gloo, ZeRO-2 and ZeRO-3."""
     from safetensors.torch import load_file
 
     from zerolab.run import run_sft

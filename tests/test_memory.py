@@ -645,7 +645,8 @@ def test_zero3_leaf_layers_prefetch_pins_every_layer_until_its_backward(tmp_path
     forward pass and gathers the released layers for the backward: at the loss every layer is gathered
     (CPU check with DeepSpeed's coordinator, 24-layer tiny Qwen2, 2 gloo ranks; measured on 2 H200: 7B
     with Ulysses over 2 GPUs at 16K tokens 25.4 GiB against 14.3 predicted, 14B nf4 18.0 against 12.6;
-    with this rule 24.9 and 17.3; 7B, one 4k row per GPU, 38.5 GiB, +1.1% predicted, lease h200x4-64)."""
+    with this rule 24.9 and 17.3; 7B without checkpointing, one 4k row per GPU, 38.5 GiB, +1.1% predicted,
+    lease h200x4-64)."""
     cfg = gpu_cfg("adapter.method=lora", "adapter.r=16", "deepspeed.stage=3", "model.kernels=liger", "model.gradient_checkpointing=true",
                   _zero_json(tmp_path, "zero3.json", stage3_max_live_parameters=ds_config.UNCAPPED), workers=2)
     est = memory.estimate(cfg, QWEN25_7B)
@@ -661,8 +662,9 @@ def test_zero3_live_parameter_cap_stops_the_prefetch_run_ahead(tmp_path):
     """DeepSpeed prefetches at most ``stage3_max_live_parameters`` minus what is gathered, and passes
     no entry at the cap: zerolab's cap for adapters, the head, the embeddings and three layers, keeps
     that many layers gathered instead of every one (the 1e9 of Hugging Face's defaults, below the head,
-    the embeddings and one 7B layer together, prefetches nothing). Measured on 2 H200 (7B, one 4k row
-    per GPU, lease h200x4-64): 28.5 GiB per GPU capped, 38.5 uncapped, estimated +1.3% and +1.1%."""
+    the embeddings and one 7B layer together, prefetches nothing). Measured on 2 H200 (7B without
+    checkpointing, one 4k row per GPU, lease h200x4-64): 28.5 GiB per GPU capped, 38.5 uncapped,
+    estimated +1.3% and +1.1%."""
     base = ["adapter.method=lora", "adapter.r=16", "deepspeed.stage=3", "model.kernels=liger", "model.gradient_checkpointing=true"]
     h, inter, kv, e, vocab = 3584, 18944, 512, 2, 152064
     layer = 2 * h * h + 2 * h * kv + 3 * h * inter
@@ -866,6 +868,7 @@ def test_parse_size():
             memory.parse_size(bad)
     with pytest.raises(ValueError, match="would be 256 bytes; give the unit, e.g. 256GiB or 256GB"):
         memory.parse_size("256")  # --host-mem 256: a unit left out
+    assert memory.parse_size("512B") == 512  # bytes said outright
 
 
 def test_fits_checks_every_known_limit():
@@ -1180,6 +1183,21 @@ def test_batch_shape_counts_eval_and_the_shards_tokens():
     assert (in_order.rows, in_order.seq_len, in_order.tokens) == (1, 300, 300)
     without_eval = memory.ShardLengths([[50] * 10, [60] * 10]).batch_shape(cfg)
     assert (without_eval.micro_batch.rows, without_eval.micro_batch.seq_len) == (4, 60)
+
+
+def test_worst_case_by_config_counts_an_eval_split_only_where_there_is_one(tmp_path):
+    """A train file without an eval file has no eval split (``zerolab.data.prepare``): the worst case
+    by config holds no eval rows then; generated data and an eval file do (the 256K-token rows of a
+    run split over two GPUs counted 200 generated eval rows: 0.75 GiB per worker on the host)."""
+    from zerolab.memory.batch import BatchShape
+
+    for name in ("train.jsonl", "eval.jsonl"):
+        (tmp_path / name).write_text('{"text": "a"}\n')
+    train, evals = f"data.train_path={tmp_path / 'train.jsonl'}", f"data.eval_path={tmp_path / 'eval.jsonl'}"
+    common = ["data.max_seq_length=1024", "data.num_train_rows=8", "data.num_eval_rows=200"]
+    rows = {name: BatchShape.from_config(load_config(None, [*common, *extra])).shard_rows for name, extra in {
+        "generated": [], "train file": ["data.task=custom", train], "both files": ["data.task=custom", train, evals]}.items()}
+    assert rows == {"generated": 4 + 100, "train file": 4, "both files": 4 + 100}  # per worker of two
 
 
 def _short_rows_cfg(*overrides: str):

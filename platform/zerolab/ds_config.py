@@ -88,18 +88,25 @@ def resolve(cfg: SFTConfig, hidden_size: int, path: Path | None = None, *, live_
     return fill(raw, cfg, hidden_size, source=str(path), shipped=not cfg.deepspeed.config, live_parameters=live_parameters)
 
 
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+"""Config keys of mixture-of-experts models, whose layers the dense shape behind
+:func:`live_parameter_cap` undercounts (a Mixtral layer alone is above the cap it would give)."""
+
+
 def for_model(cfg: SFTConfig, model_config: Any, path: Path | None = None) -> dict[str, Any]:
     """:func:`resolve` for the model of ``model_config`` (a transformers config, a dict of one, or a
-    ``ModelShape``): its hidden size and, for Llama/Qwen2-style decoders, its :func:`live_parameter_cap`."""
+    ``ModelShape``): its hidden size and, for dense Llama/Qwen2-style decoders, its
+    :func:`live_parameter_cap` (other models stay uncapped)."""
     from zerolab.memory.errors import MemoryEstimateError
     from zerolab.memory.shapes import ModelShape
 
     get = model_config.get if isinstance(model_config, dict) else lambda k: getattr(model_config, k, None)
-    try:
-        shape = model_config if isinstance(model_config, ModelShape) else ModelShape.from_config(model_config)
-        cap: int | None = live_parameter_cap(shape)
-    except MemoryEstimateError:
-        cap = None
+    cap: int | None = None
+    if not any(get(k) for k in MOE_KEYS):
+        try:
+            cap = live_parameter_cap(model_config if isinstance(model_config, ModelShape) else ModelShape.from_config(model_config))
+        except MemoryEstimateError:
+            pass
     return resolve(cfg, get("hidden_size") or 1024, path, live_parameters=cap)
 
 

@@ -97,7 +97,7 @@ def parse_size(text: str) -> int:
     if not match or (match.group(3) and not match.group(2)):
         raise ValueError(f"{text!r} is not a size; write e.g. 24GiB, 80GB, 500MiB or 64G")
     number, prefix, binary, unit = match.groups()
-    if not prefix and float(number) < 2**20:
+    if not prefix and not unit and float(number) < 2**20:
         raise ValueError(f"{text!r} would be {number} bytes; give the unit, e.g. {number}GiB or {number}GB")
     power = "KMGT".find(prefix.upper()) + 1 if prefix else 0
     base = 1000 if (unit and not binary) else 1024
