@@ -167,7 +167,7 @@ def zerolab_loop(args: argparse.Namespace, rows: list, device: torch.device, wor
                              f"train.max_steps={args.steps}"])
     init_distributed("nccl" if device.type == "cuda" else "gloo")
     seed_everything(cfg.train.seed + dist.get_rank())
-    resolved = ds_config.for_model(cfg, AutoConfig.from_pretrained(args.model))
+    resolved = ds_config.resolve(cfg, AutoConfig.from_pretrained(args.model))
     batches = MicroBatches(rows, micro_batch_size=cfg.train.micro_batch_size, max_seq_length=cfg.data.max_seq_length,
                            packing=cfg.data.packing, pad_id=load_tokenizer(cfg.model).pad_token_id, seed=cfg.train.seed)
     zero3 = Zero3Loading()  # held while the engine trains

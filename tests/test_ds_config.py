@@ -23,7 +23,7 @@ def test_every_shipped_file_resolves(path):
         overrides.append("deepspeed.offload_optimizer=true")
     if "offload_param" in zero:
         overrides.append("deepspeed.offload_param=true")
-    resolved = ds_config.resolve(load_config(None, overrides), hidden_size=64)
+    resolved = ds_config.resolve(load_config(None, overrides), {"hidden_size": 64})
     assert resolved["train_batch_size"] == 4 * 3 * 2
     assert resolved["train_micro_batch_size_per_gpu"] == 4 and resolved["gradient_accumulation_steps"] == 3
     assert resolved["bf16"]["enabled"] is False and resolved["fp16"]["enabled"] is False  # CPU: fp32
@@ -34,7 +34,7 @@ def test_default_file_follows_stage_and_offload():
     assert ds_config.config_path(load_config(None, ["deepspeed.stage=3", "deepspeed.offload_param=true"])).name == "zero3_offload.json"
     assert ds_config.config_path(load_config(None, ["deepspeed.stage=1", "deepspeed.offload_optimizer=true"])).name == "zero1.json"
     cfg = load_config(None, ["deepspeed.stage=1", "deepspeed.offload_optimizer=true"])
-    assert ds_config.resolve(cfg, 64)["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert ds_config.resolve(cfg, {"hidden_size": 64})["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
 
 
 def test_contradictions_are_reported_together(tmp_path):
@@ -44,7 +44,7 @@ def test_contradictions_are_reported_together(tmp_path):
     path.write_text(json.dumps(bad))
     cfg = load_config(None, ["deepspeed.stage=2", f"deepspeed.config={path}", "train.micro_batch_size=8"])
     with pytest.raises(ConfigError) as err:
-        ds_config.resolve(cfg, 64)
+        ds_config.resolve(cfg, {"hidden_size": 64})
     text = "\n".join(err.value.problems)
     assert "train_batch_size=64 but train.micro_batch_size × train.grad_accum_steps × scaling.num_workers = 8 × 1 × 2 gives 16" in text
     assert "gradient_clipping=5.0" in text and "'optimizer' section" in text
@@ -55,13 +55,13 @@ def test_contradictions_are_reported_together(tmp_path):
 
 def test_stage3_with_only_the_optimizer_offloaded_uses_the_shipped_file_without_param_offload(tmp_path):
     cfg = load_config(None, ["deepspeed.stage=3", "deepspeed.offload_optimizer=true"])
-    zero = ds_config.resolve(cfg, 128)["zero_optimization"]
+    zero = ds_config.resolve(cfg, {"hidden_size": 128})["zero_optimization"]
     assert zero["offload_optimizer"]["device"] == "cpu" and "offload_param" not in zero
     # A file the user gives is theirs: the same contradiction there is an error to fix.
     own = tmp_path / "own.json"
     own.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}))
     with pytest.raises(ConfigError, match="offloads offload_param to cpu but deepspeed.offload_param=false"):
-        ds_config.resolve(load_config(None, ["deepspeed.stage=3", f"deepspeed.config={own}"]), 128)
+        ds_config.resolve(load_config(None, ["deepspeed.stage=3", f"deepspeed.config={own}"]), {"hidden_size": 128})
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["zero3", "zero3-offload"])
@@ -81,7 +81,7 @@ def test_zero3_adapter_prefetch_is_not_cut_short_by_the_live_parameter_cap(model
     layer = 2 * h * h + 2 * h * kv + 3 * h * shape["intermediate_size"]  # a decoder layer's weights
     outer = vocab * h * (1 if shape.get("tie_word_embeddings") else 2)  # the embeddings and the head
     cfg = load_config(None, ["deepspeed.stage=3", f"deepspeed.offload_param={str(offload).lower()}", "adapter.method=lora"])
-    zero = ds_config.for_model(cfg, shape)["zero_optimization"]
+    zero = ds_config.resolve(cfg, shape)["zero_optimization"]
     assert zero["stage3_max_live_parameters"] == outer + 3 * layer
     assert zero["stage3_max_live_parameters"] - (outer + layer) >= zero["stage3_prefetch_bucket_size"] >= layer
 
@@ -95,6 +95,6 @@ def test_mixture_of_experts_and_unknown_models_stay_uncapped():
     cfg = load_config(None, ["deepspeed.stage=3", "adapter.method=lora"])
     dense = dict(KNOWN_CONFIGS["Qwen/Qwen2.5-7B"])
     moe = {**dense, "model_type": "mixtral", "num_local_experts": 8}
-    live = [ds_config.for_model(cfg, c)["zero_optimization"]["stage3_max_live_parameters"]
+    live = [ds_config.resolve(cfg, c)["zero_optimization"]["stage3_max_live_parameters"]
             for c in (dense, moe, {"model_type": "gpt2", "hidden_size": 768})]
     assert live[0] < 2e9 and live[1] == live[2] == ds_config.UNCAPPED

@@ -372,7 +372,7 @@ def train_variant(rank: int, overrides: list[str]) -> tuple:
 
     cfg = load_config(None, ["adapter.dropout=0", "train.micro_batch_size=2", f"train.grad_accum_steps={ACCUM}", "train.lr=1e-2",
                              "train.warmup_ratio=0", "train.lr_scheduler=constant", *overrides])
-    resolved = ds_config.for_model(cfg, AutoConfig.from_pretrained(build_tiny_model()))
+    resolved = ds_config.resolve(cfg, AutoConfig.from_pretrained(build_tiny_model()))
     torch.manual_seed(0)
     zero3 = Zero3Loading()
     model = build_model(cfg, resolved, total_steps=10, zero3=zero3)

@@ -670,7 +670,7 @@ def test_zero3_live_parameter_cap_stops_the_prefetch_run_ahead(tmp_path):
     layer = 2 * h * h + 2 * h * kv + 3 * h * inter
     cap = 2 * vocab * h + 3 * layer
     shipped = gpu_cfg(*base, workers=2)
-    assert ds_config.for_model(shipped, QWEN25_7B)["zero_optimization"]["stage3_max_live_parameters"] == cap
+    assert ds_config.resolve(shipped, QWEN25_7B)["zero_optimization"]["stage3_max_live_parameters"] == cap
     capped = memory.estimate(shipped, QWEN25_7B).device["gathered parameters"]
     uncapped = memory.estimate(gpu_cfg(*base, _zero_json(tmp_path, "zero3.json", stage3_max_live_parameters=ds_config.UNCAPPED),
                                        workers=2), QWEN25_7B).device["gathered parameters"]

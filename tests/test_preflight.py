@@ -81,7 +81,7 @@ def test_a_jobs_plan_resolves_model_data_and_deepspeed_once(ray_cluster, tmp_pat
     cfg = load_config(None, tiny_overrides(tmp_path, **{"train.max_steps": 2}))
     first, second = plan_job(cfg), plan_job(cfg)
     assert first.model_path == tiny_model_path and first.model_config.hidden_size > 0
-    assert first.deepspeed == ds_config.for_model(cfg, first.model_config)
+    assert first.deepspeed == ds_config.resolve(cfg, first.model_config)
     assert first.memory.estimate.data_aware and first.memory.params()["memory.estimate"]
     assert all(split.from_cache for split in second.splits.values())
     assert {k: r.fingerprint for k, r in second.reports.items()} == {k: r.fingerprint for k, r in first.reports.items()}

@@ -217,7 +217,7 @@ def _steps_worker(rank: int, overrides: list[str], port: int, results: dict) -> 
 
     init_distributed("gloo")
     cfg = load_config(None, ["scaling.num_workers=2", "train.precision=bf16", "adapter.dropout=0", "train.lr=1e-3", *overrides])
-    ds = ds_config.resolve(cfg, 128)
+    ds = ds_config.resolve(cfg, {"hidden_size": 128})
     ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # partition even the tiny model's weights
     zero3 = Zero3Loading()
     torch.manual_seed(0)
@@ -291,7 +291,7 @@ def _memory_worker(rank: int, model_path: str, port: int, results: dict) -> None
         cfg = load_config(None, ["scaling.num_workers=2", "train.precision=bf16", "adapter.dropout=0", f"model.name_or_path={model_path}",
                                  f"model.quantization={kind}", "deepspeed.stage=3", "adapter.target_modules=[all-linear]",
                                  "model.gradient_checkpointing=true"])
-        ds = ds_config.resolve(cfg, 128)
+        ds = ds_config.resolve(cfg, {"hidden_size": 128})
         # Every weight partitioned, released after its layer and fetched no earlier than its layer: what
         # the forward pass adds is then its activations alone.
         ds["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0)

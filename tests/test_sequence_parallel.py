@@ -43,9 +43,9 @@ def test_batch_size_and_deepspeed_json_count_data_parallel_ranks():
     cfg = load_config(None, ["scaling.num_workers=4", "scaling.sequence_parallel_size=2", "train.micro_batch_size=3",
                              "train.grad_accum_steps=5"])
     assert cfg.data_parallel_size() == 2 and cfg.global_batch_size() == 30
-    resolved = ds_config.resolve(cfg, hidden_size=128)
+    resolved = ds_config.resolve(cfg, {"hidden_size": 128})
     assert resolved["train_batch_size"] == 30 and resolved["sequence_parallel_size"] == 2
-    plain = ds_config.resolve(load_config(None, []), hidden_size=128)
+    plain = ds_config.resolve(load_config(None, []), {"hidden_size": 128})
     assert "sequence_parallel_size" not in plain
 
 

@@ -242,7 +242,7 @@ def leaf_config(stage: int, leaf: bool, method: str, gradient_checkpointing: boo
                              f"model.compile={str(compiled).lower()}",
                              "train.micro_batch_size=2", f"train.grad_accum_steps={ACCUM}", "train.lr=1e-2", "train.warmup_ratio=0",
                              "train.lr_scheduler=constant"])
-    resolved = ds_config.for_model(cfg, AutoConfig.from_pretrained(build_tiny_model()))
+    resolved = ds_config.resolve(cfg, AutoConfig.from_pretrained(build_tiny_model()))
     if stage == 3:
         resolved["zero_optimization"].update(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0)
     return cfg, resolved

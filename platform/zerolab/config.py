@@ -136,6 +136,10 @@ class DataSpec:
     seed: int = 0
     """Seed of the task generator."""
 
+    def has_eval_split(self) -> bool:
+        """An eval file, or generated eval rows beside generated train rows (a train file alone has none)."""
+        return bool(self.eval_path) or (not self.train_path and self.num_eval_rows > 0)
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainSpec:
@@ -490,7 +494,7 @@ def validate(cfg: SFTConfig) -> list[str]:
     positive("eval.max_new_tokens", e.max_new_tokens)
     positive("eval.batch_size", e.batch_size)
     positive("eval.num_workers", e.num_workers)
-    if e.enabled and not d.eval_path and (d.train_path or not d.num_eval_rows):
+    if e.enabled and not d.has_eval_split():
         p.append("eval.enabled: there is no eval split to evaluate on; set data.eval_path (or data.num_eval_rows > 0 with generated data), or eval.enabled=false")
     if cfg.tracking.model_alias and not re.fullmatch(r"[A-Za-z0-9_-]{1,255}", cfg.tracking.model_alias):
         p.append(f"tracking.model_alias: {cfg.tracking.model_alias!r} must be letters, digits, '_' or '-'")

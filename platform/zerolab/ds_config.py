@@ -74,10 +74,19 @@ def live_parameter_cap(shape: ModelShape) -> int:
     return outer + LIVE_LAYERS * layer
 
 
-def resolve(cfg: SFTConfig, hidden_size: int, path: Path | None = None, *, live_parameters: int | None = None) -> dict[str, Any]:
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+"""Config keys of mixture-of-experts models, whose layers the dense shape behind
+:func:`live_parameter_cap` undercounts (a Mixtral layer alone is above the cap it would give)."""
+
+
+def resolve(cfg: SFTConfig, model_config: Any, path: Path | None = None) -> dict[str, Any]:
     """The DeepSpeed config dict for this job from ``path`` (default: :func:`config_path`), every
-    ``"auto"`` filled; raises ConfigError on conflicts. ``live_parameters`` is the model's
-    :func:`live_parameter_cap` (None where its shape is unknown: uncapped)."""
+    ``"auto"`` filled for the model of ``model_config`` (a transformers config, a dict of one, or a
+    ``ModelShape``): bucket sizes from its hidden size and, for dense Llama/Qwen2-style decoders,
+    its :func:`live_parameter_cap` (other models stay uncapped). Raises ConfigError on conflicts."""
+    from zerolab.memory.errors import MemoryEstimateError
+    from zerolab.memory.shapes import ModelShape
+
     path = path or config_path(cfg)
     try:
         raw = json.loads(path.read_text())
@@ -85,21 +94,6 @@ def resolve(cfg: SFTConfig, hidden_size: int, path: Path | None = None, *, live_
         raise ConfigError([f"deepspeed.config: no such file '{path}'; give a DeepSpeed JSON path or leave it empty"]) from None
     except json.JSONDecodeError as exc:
         raise ConfigError([f"deepspeed.config: '{path}' is not valid JSON ({exc}); fix the file"]) from None
-    return fill(raw, cfg, hidden_size, source=str(path), shipped=not cfg.deepspeed.config, live_parameters=live_parameters)
-
-
-MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
-"""Config keys of mixture-of-experts models, whose layers the dense shape behind
-:func:`live_parameter_cap` undercounts (a Mixtral layer alone is above the cap it would give)."""
-
-
-def for_model(cfg: SFTConfig, model_config: Any, path: Path | None = None) -> dict[str, Any]:
-    """:func:`resolve` for the model of ``model_config`` (a transformers config, a dict of one, or a
-    ``ModelShape``): its hidden size and, for dense Llama/Qwen2-style decoders, its
-    :func:`live_parameter_cap` (other models stay uncapped)."""
-    from zerolab.memory.errors import MemoryEstimateError
-    from zerolab.memory.shapes import ModelShape
-
     get = model_config.get if isinstance(model_config, dict) else lambda k: getattr(model_config, k, None)
     cap: int | None = None
     if not any(get(k) for k in MOE_KEYS):
@@ -107,7 +101,7 @@ def for_model(cfg: SFTConfig, model_config: Any, path: Path | None = None) -> di
             cap = live_parameter_cap(model_config if isinstance(model_config, ModelShape) else ModelShape.from_config(model_config))
         except MemoryEstimateError:
             pass
-    return resolve(cfg, get("hidden_size") or 1024, path, live_parameters=cap)
+    return fill(raw, cfg, get("hidden_size") or 1024, source=str(path), shipped=not cfg.deepspeed.config, live_parameters=cap)
 
 
 def fill(raw: dict[str, Any], cfg: SFTConfig, hidden_size: int, *, source: str = "deepspeed.config",

@@ -283,7 +283,7 @@ def check_against_model(cfg: SFTConfig, model_config: Any, deepspeed_file: Path)
     problems.extend(_position_problems(cfg, model_config))
     resolved: dict[str, Any] = {}
     try:
-        resolved = ds_config.for_model(cfg, model_config, deepspeed_file)
+        resolved = ds_config.resolve(cfg, model_config, deepspeed_file)
     except ConfigError as exc:
         problems.extend(exc.problems)
     if problems:

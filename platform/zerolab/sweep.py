@@ -262,7 +262,7 @@ def validate_space(base: SFTConfig, sweep: Sweep) -> list[dict[str, Any]]:
     for point in points:
         try:
             # The DeepSpeed JSON too (its bucket sizes need the model's width, not its validity).
-            ds_config.resolve(trial_config(base, sweep, point, f"{sweep.name}-check"), hidden_size=1024)
+            ds_config.resolve(trial_config(base, sweep, point, f"{sweep.name}-check"), {"hidden_size": 1024})
         except ConfigError as exc:
             label = ", ".join(f"{k}={v}" for k, v in point.items())
             problems.extend(f"trial {{{label}}}: {p}" for p in exc.problems)

@@ -65,7 +65,7 @@ def dataset_paths(cfg: SFTConfig) -> dict[str, str]:
                                                                               max_tokens=max_tokens))
     if d.eval_path:
         paths["eval"] = d.eval_path
-    elif not d.train_path and d.num_eval_rows:
+    elif d.has_eval_split():
         target = cache_dir() / "data" / f"{d.task}-eval-{d.num_eval_rows}-seed{d.seed + 1}{length}.{suffix}"
         paths["eval"] = str(target if target.is_file() else generate_dataset(d.task, d.num_eval_rows, d.seed + 1, target,
                                                                              max_tokens=max_tokens))

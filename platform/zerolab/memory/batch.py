@@ -95,14 +95,14 @@ class BatchShape:
         """The worst case the config allows: every micro-batch ``micro_batch_size`` × ``max_seq_length``,
         every row ``max_seq_length`` tokens, ⌈rows / D⌉ rows of each split per worker (D data-parallel
         groups: the ranks of a sequence-parallel group read one shard; a train file without an eval
-        file has no eval split, as ``zerolab.data.prepare`` decides). Raises MemoryEstimateError for
+        file has no eval split: ``DataSpec.has_eval_split``). Raises MemoryEstimateError for
         ``max_seq_length: auto``, which only the data decides."""
         d, n = cfg.data, cfg.data_parallel_size()
         s = d.max_seq_length
         if s == "auto":
             raise MemoryEstimateError("data.max_seq_length: auto is the length of the data's longest row, so the estimate needs "
                                       "the data; estimate on it (jobs/estimate.py tokenizes it) or set a number of tokens")
-        eval_rows = d.num_eval_rows if d.eval_path or not d.train_path else 0
+        eval_rows = d.num_eval_rows if d.has_eval_split() else 0
         rows = math.ceil(d.num_train_rows / n) + math.ceil(eval_rows / n)
         return cls(MicroBatch(cfg.train.micro_batch_size, s, cfg.train.micro_batch_size * s), rows, rows * s, False)
 

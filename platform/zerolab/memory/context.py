@@ -36,7 +36,7 @@ class ZeroKnobs:
 
     @classmethod
     def resolve(cls, cfg: SFTConfig, shape: ModelShape) -> ZeroKnobs:
-        zero = ds_config.for_model(cfg, shape).get("zero_optimization", {})
+        zero = ds_config.resolve(cfg, shape).get("zero_optimization", {})
         stage3 = cfg.deepspeed.stage == 3
         offload = [zero.get(k) or {} for k in ("offload_optimizer", "offload_param")]
         return cls(
