@@ -401,7 +401,7 @@ def _predict(case: Case, out: Path) -> dict[str, float]:
 def estimate_overrides(overrides: list[str]) -> list[str]:
     """The overrides that decide the estimate, without paths that exist only where the run ran:
     data files become the generated task data of the same row count (no eval split where the run
-    had none: a train file alone has none), the model its shape."""
+    had none: a train file alone has none, `DataSpec.has_eval_split`), the model its shape."""
     drop = ("model.name_or_path=", "data.train_path=", "data.eval_path=", "run.", "tracking.")
     kept = [o for o in overrides if not o.startswith(drop)]
     files_only = any(o.startswith("data.train_path=") for o in overrides) and not any(o.startswith("data.eval_path=") for o in overrides)
