@@ -84,6 +84,10 @@ class Run:
     (``bench/workload.long_rows``) of just under this many tokens, one per micro-batch row, with
     ``data.max_seq_length`` this and YaRN RoPE scaling past the shapes' 32K positions; -1: the
     longest row the memory estimate fits on this machine (:func:`estimated_row_tokens`)."""
+    long_rows: int = 2
+    """Rows of the long-row file: the longest runs take two steps; shorter ones go round them again, or
+    take as many rows as steps where the curves are compared (a random model memorises two rows within
+    a dozen steps, and its loss then stops telling two runs apart)."""
 
     def quantization(self) -> str:
         """The base's ``model.quantization`` among the overrides (``none`` without it)."""
@@ -189,26 +193,26 @@ def _suite_sequence_parallel_7b(gpus: int, sp: int) -> list[Run]:
     """7B LoRA r16, one long row per micro-batch, gradient checkpointing, on ``gpus`` GPUs with each row
     split over ``sp`` of them by Ulysses sequence parallelism (``scaling.sequence_parallel_size``,
     docs/sequence_parallel.md; the 7B shape's 28 attention and 4 key/value heads allow 2 and 4) against
-    one GPU: first 16K rows for 20 steps, the loss and gradient norm logged every second step (one GPU
-    at ZeRO-2, then sequence-parallel at ZeRO-2 and ZeRO-3: the same rows, the same steps, so their
-    curves must agree; ``bench/loss_curves.py`` compares them), then 128K rows (a minute's step on one
-    GPU) sequence-parallel at ZeRO-2 and ZeRO-3, and last the longest row the memory estimate fits here
-    sequence-parallel, with checkpointing alone (about 290K tokens on two H100s, a few minutes' step)
-    and with checkpoint offload and the tiled MLP (a long run: about 600K tokens on two H100s of a
+    one GPU: first 16K rows for 20 steps, a new row each step, the loss and gradient norm logged every
+    second step (one GPU at ZeRO-2, then sequence-parallel at ZeRO-2 and ZeRO-3: the same rows, the same
+    steps, so their curves must agree; ``bench/loss_curves.py`` compares them), then 128K rows (a
+    minute's step on one GPU) sequence-parallel at ZeRO-2 and ZeRO-3, and last the longest row the memory
+    estimate fits here sequence-parallel, with checkpointing alone at ZeRO-2 and ZeRO-3 (about 290K
+    tokens at ZeRO-2 on two H100s, a few minutes' step) and with checkpoint offload and the tiled MLP (a long run: about 600K tokens on two H100s of a
     host with 256 GiB, where the pinned host copies stop it)."""
     split = (f"scaling.sequence_parallel_size={sp}",)
     long = (*split, "model.offload_checkpoints=true", "model.tiled_mlp=auto")
     return [
-        Run("zerolab", "qwen2.5-7b", stage=2, row_tokens=16384, steps=20, window=2, checkpointing=True, variant="rows16k-ckpt",
-            timeout_s=300),
-        *[Run("zerolab", "qwen2.5-7b", gpus=gpus, stage=stage, row_tokens=16384, steps=20, window=2, checkpointing=True,
+        Run("zerolab", "qwen2.5-7b", stage=2, row_tokens=16384, long_rows=20, steps=20, window=2, checkpointing=True,
+            variant="rows16k-ckpt", timeout_s=300),
+        *[Run("zerolab", "qwen2.5-7b", gpus=gpus, stage=stage, row_tokens=16384, long_rows=20, steps=20, window=2, checkpointing=True,
               variant=f"sp{sp}-rows16k-ckpt", timeout_s=300, overrides=split) for stage in (2, 3)],
         *[Run("zerolab", "qwen2.5-7b", gpus=gpus, stage=stage, row_tokens=131072, steps=2, window=1, checkpointing=True,
               variant=f"sp{sp}-rows128k-ckpt", timeout_s=420, overrides=split) for stage in (2, 3)],
         Run("zerolab", "qwen2.5-7b", gpus=gpus, stage=2, row_tokens=262144, steps=2, window=1, checkpointing=True,
             variant=f"sp{sp}-rows256k-ckpt", timeout_s=600, overrides=split),
-        Run("zerolab", "qwen2.5-7b", gpus=gpus, stage=2, row_tokens=-1, steps=1, window=1, checkpointing=True,
-            variant=f"sp{sp}-rowsmax-ckpt", timeout_s=900, overrides=split),
+        *[Run("zerolab", "qwen2.5-7b", gpus=gpus, stage=stage, row_tokens=-1, steps=1, window=1, checkpointing=True,
+              variant=f"sp{sp}-rowsmax-ckpt", timeout_s=900, overrides=split) for stage in (2, 3)],
         Run("zerolab", "qwen2.5-7b", gpus=gpus, stage=2, row_tokens=-1, steps=1, window=1, checkpointing=True,
             variant=f"sp{sp}-rowsmax-ckpt-offload-tiled", timeout_s=3600, overrides=long),
     ]
@@ -381,36 +385,32 @@ class Workspace:
     root: Path
     data: Path = field(init=False)
     models: dict[str, str] = field(default_factory=dict)
-    long_data: dict[int, Path] = field(default_factory=dict)
-    """Long-row files by row length (:attr:`Run.row_tokens`)."""
+    long_data: dict[tuple[int, int], Path] = field(default_factory=dict)
+    """Long-row files by row length and count (:attr:`Run.row_tokens`, :attr:`Run.long_rows`)."""
 
-    def prepare(self, shapes: set[str], row_tokens: Iterable[int] = ()) -> None:
+    def prepare(self, shapes: set[str], long_rows: Iterable[tuple[int, int]] = ()) -> None:
         from bench import workload
         from bench.calibrate_memory import model_path
 
         self.root.mkdir(parents=True, exist_ok=True)
         self.data = workload.data_mix(self.root / "data")
-        for tokens in sorted(t for t in row_tokens if t > 0):
-            self.long_rows(tokens)
+        for tokens, rows in sorted(r for r in long_rows if r[0] > 0):
+            self.long_rows(tokens, rows)
         from zerolab.models import resolve_model_path
 
         for shape in sorted(shapes):
             self.models[shape] = resolve_model_path(model_path(shape, self.root / "models"))
 
-    def long_rows(self, tokens: int) -> Path:
-        """The long-row file of rows of just under ``tokens`` tokens (written once)."""
+    def long_rows(self, tokens: int, rows: int) -> Path:
+        """The long-row file of ``rows`` rows of just under ``tokens`` tokens (written once)."""
         from bench import workload
 
-        if tokens not in self.long_data:
-            self.long_data[tokens] = workload.long_rows(self.root / "data", tokens, rows=LONG_ROWS)
-        return self.long_data[tokens]
+        if (tokens, rows) not in self.long_data:
+            self.long_data[tokens, rows] = workload.long_rows(self.root / "data", tokens, rows=rows)
+        return self.long_data[tokens, rows]
 
     def data_of(self, run: Run) -> Path:
-        return self.long_rows(run.row_tokens) if run.row_tokens > 0 else self.data
-
-
-LONG_ROWS = 2
-"""Rows of a long-row file: the longest runs take two steps; shorter ones go round them again."""
+        return self.long_rows(run.row_tokens, run.long_rows) if run.row_tokens > 0 else self.data
 
 
 def zerolab_overrides(run: Run, ws: Workspace, *, for_torchrun: bool = False) -> list[str]:
@@ -423,7 +423,7 @@ def zerolab_overrides(run: Run, ws: Workspace, *, for_torchrun: bool = False) ->
          f"model.gradient_checkpointing={str(run.checkpointing).lower()}",
          "adapter.method=lora", "adapter.r=16", "adapter.alpha=32", "adapter.dropout=0.0",
          "data.task=custom", f"data.train_path={ws.data_of(run)}",
-         f"data.num_train_rows={LONG_ROWS if run.row_tokens > 0 else NUM_MATH + NUM_NER + NUM_LONG}",
+         f"data.num_train_rows={run.long_rows if run.row_tokens > 0 else NUM_MATH + NUM_NER + NUM_LONG}",
          f"data.max_seq_length={length}", "data.packing=true",
          f"train.micro_batch_size={run.micro_batch}", f"train.max_steps={run.steps}", f"train.log_every_n_steps={run.window}",
          "train.lr=1e-4", "train.weight_decay=0.1",

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     # The kernel checks train one batch with every weight trainable: the 0.5B shape whatever the runs'
     # (the 7B shape's full gradients and padded activations did not fit an 80 GB GPU).
     checks = any(r.shape != "tiny" for r in runs) and not args.skip_checks
-    ws.prepare({r.shape for r in runs} | ({CHECKS_SHAPE} if checks else set()), {r.row_tokens for r in runs})
+    ws.prepare({r.shape for r in runs} | ({CHECKS_SHAPE} if checks else set()), {(r.row_tokens, r.long_rows) for r in runs})
     (args.out / "environment.json").write_text(json.dumps(harness.environment(), indent=1))
     log = open(args.out / "runs.log", "a")  # noqa: SIM115 (every run appends to it)
     if checks:

@@ -477,13 +477,13 @@ def test_long_row_benchmark_runs_train_rows_of_their_length(tmp_path, tiny_model
     ws = harness.Workspace(tmp_path)
     ws.data = tmp_path / "mix.jsonl"
     ws.models = {"qwen2.5-7b": "/models/7b", "qwen2.5-0.5b": "/models/0.5b"}
-    ws.long_data = {n: tmp_path / f"rows-{n}.jsonl" for n in (4096, 32768, 65536, 131072, 262144)}
+    ws.long_data = {(n, 2): tmp_path / f"rows-{n}.jsonl" for n in (4096, 32768, 65536, 131072, 262144)}
     for run in runs:
         if run.row_tokens < 0:
             continue
         overrides = harness.zerolab_overrides(run, ws)
-        assert f"data.train_path={ws.long_data[run.row_tokens]}" in overrides and f"data.max_seq_length={run.row_tokens}" in overrides
-        assert f"data.num_train_rows={harness.LONG_ROWS}" in overrides
+        assert f"data.train_path={ws.long_data[run.row_tokens, 2]}" in overrides and f"data.max_seq_length={run.row_tokens}" in overrides
+        assert f"data.num_train_rows=2" in overrides
         factor = [o for o in overrides if o.startswith("model.rope_factor=")]
         assert factor == ([f"model.rope_factor={run.row_tokens // 32768}"] if run.row_tokens > 32768 else []), run.name
         cfg = load_config(None, estimate_overrides(overrides))
