@@ -194,8 +194,9 @@ def _suite_sequence_parallel_7b(gpus: int, sp: int) -> list[Run]:
     split over ``sp`` of them by Ulysses sequence parallelism (``scaling.sequence_parallel_size``,
     docs/sequence_parallel.md; the 7B shape's 28 attention and 4 key/value heads allow 2 and 4) against
     one GPU: first 16K rows for 20 steps, a new row each step, the loss and gradient norm logged every
-    second step (one GPU at ZeRO-2, then sequence-parallel at ZeRO-2 and ZeRO-3: the same rows, the same
-    steps, so their curves must agree; ``bench/loss_curves.py`` compares them), then 128K rows (a
+    second step (one GPU, then sequence-parallel, each at ZeRO-2 and ZeRO-3: the same rows, the same
+    steps, so each stage's curves must agree; ``bench/loss_curves.py`` compares them: each split run
+    against the one-GPU run of its own stage, which tells the split's effect from the stage's), then 128K rows (a
     minute's step on one GPU) sequence-parallel at ZeRO-2 and ZeRO-3, and last the longest row the memory
     estimate fits here sequence-parallel, with checkpointing alone at ZeRO-2 and ZeRO-3 (about 290K
     tokens at ZeRO-2 on two H100s, a few minutes' step) and with checkpoint offload and the tiled MLP (a long run: about 600K tokens on two H100s of a
@@ -203,8 +204,8 @@ def _suite_sequence_parallel_7b(gpus: int, sp: int) -> list[Run]:
     split = (f"scaling.sequence_parallel_size={sp}",)
     long = (*split, "model.offload_checkpoints=true", "model.tiled_mlp=auto")
     return [
-        Run("zerolab", "qwen2.5-7b", stage=2, row_tokens=16384, long_rows=20, steps=20, window=2, checkpointing=True,
-            variant="rows16k-ckpt", timeout_s=300),
+        *[Run("zerolab", "qwen2.5-7b", stage=stage, row_tokens=16384, long_rows=20, steps=20, window=2, checkpointing=True,
+              variant="rows16k-ckpt", timeout_s=300) for stage in (2, 3)],
         *[Run("zerolab", "qwen2.5-7b", gpus=gpus, stage=stage, row_tokens=16384, long_rows=20, steps=20, window=2, checkpointing=True,
               variant=f"sp{sp}-rows16k-ckpt", timeout_s=300, overrides=split) for stage in (2, 3)],
         *[Run("zerolab", "qwen2.5-7b", gpus=gpus, stage=stage, row_tokens=131072, steps=2, window=1, checkpointing=True,
