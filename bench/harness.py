@@ -166,8 +166,8 @@ def _suite_long_rows_7b() -> list[Run]:
     memory estimate fits for each length on an 80 GiB GPU: 4K rows as today's benchmark trains
     them; 32K with the tiled MLP (no checkpointing: the fastest that fits) and with checkpointing;
     128K with checkpointing, alone and with the tiled MLP; 256K with checkpoint offload and the
-    tiled MLP too; then the longest row the estimate fits here with those (about 500K tokens on one
-    H100 with 128 GiB of host memory). A few steps each, the last window measured (one step at 256K and
+    tiled MLP too; then the longest row the estimate fits here with those (299,008 tokens on one
+    H100 with 128 GiB of host memory, where the checkpoints' pinned copies stop it; 429,056 with 512 GiB). A few steps each, the last window measured (one step at 256K and
 past: the memory peak, the step's time with its first-step costs). A step's
     attention grows with the square of the row: about 10 s at 32K, a minute at 128K, four at 256K
     (7B on one H100, FlashAttention-2 at ~300 TFLOP/s), a quarter of an hour at 500K."""

@@ -483,7 +483,7 @@ def test_long_row_benchmark_runs_train_rows_of_their_length(tmp_path, tiny_model
             continue
         overrides = harness.zerolab_overrides(run, ws)
         assert f"data.train_path={ws.long_data[run.row_tokens, 2]}" in overrides and f"data.max_seq_length={run.row_tokens}" in overrides
-        assert f"data.num_train_rows=2" in overrides
+        assert "data.num_train_rows=2" in overrides
         factor = [o for o in overrides if o.startswith("model.rope_factor=")]
         assert factor == ([f"model.rope_factor={run.row_tokens // 32768}"] if run.row_tokens > 32768 else []), run.name
         cfg = load_config(None, estimate_overrides(overrides))

@@ -125,9 +125,9 @@ def mlp_tile_tokens(job: EstimateContext) -> int:
 
 def mlp_tile(job: EstimateContext) -> int:
     """With the tiled MLP, while a layer's backward pass recomputes one tile: the tile's MLP
-    activations and their gradients (:func:`_mlp_bytes` and the MLP's share of
-    :func:`backward_gradients`, per tile token), plus the MLP input's gradient the tiles fill
-    (e·h per token of the micro-batch). 0 without tiling."""
+    activations and their gradients (:func:`_mlp_bytes` and the MLP's gradients of
+    :func:`backward_gradients` without tiling, per tile token), plus the MLP input's gradient the
+    tiles fill (e·h per token of the micro-batch). 0 without tiling."""
     if not job.cfg.model.tiles_mlp():
         return 0
     e = job.e
@@ -200,17 +200,24 @@ def offloaded_checkpoints(job: EstimateContext) -> list[int]:
 
 
 def backward_gradients(job: EstimateContext) -> int:
-    """Gradients in flight while a decoder layer's backward pass runs, on top of what it saved:
-    the gradient of the residual stream reaching it (e·h per token) and the larger of the MLP's and
-    attention's. The MLP's: the gradient of down_proj's input (e·I) and, from Hugging Face's
-    SiLU × up, the gradients of the gate and up outputs (2·e·I more; Liger's SwiGLU writes them in
-    place of its saved inputs); with the tiled MLP one tile's (:func:`mlp_tile`). Attention's
-    (:func:`_attention_backward`), which the tiled MLP leaves the larger. Derived from what autograd
-    and the kernels allocate, not yet measured: negligible beside the loss region at short rows, a
-    tenth of the per-token bytes at long ones."""
+    """Gradients in flight while a decoder layer's backward pass runs, on top of what it saved.
+    Without the tiled MLP: the gradient of the residual stream reaching it (e·h per token) and the
+    larger of the MLP's and attention's. The MLP's: the gradient of down_proj's input (e·I) and,
+    from Hugging Face's SiLU × up, the gradients of the gate and up outputs (2·e·I more; Liger's
+    SwiGLU writes them in place of its saved inputs). Attention's (:func:`_attention_backward`).
+    With the tiled MLP the layer's two backward passes come one after the other and the larger
+    counts: the MLP's, one tile at a time (:func:`mlp_tile`, which holds the MLP input's gradient
+    the tiles fill) beside the residual's gradient; then attention's, by which time the MLP's input
+    that the tiled MLP kept (counted in :func:`saved_per_layer`) has been freed for the
+    residual's gradient. Derived from what autograd and the kernels allocate: negligible beside the
+    loss region at short rows, a tenth of the per-token bytes at long ones (7B, 256K-token rows with
+    the tiled MLP: the attention's 9.3 GiB, where the MLP's phase holds 3.9)."""
     e, s = job.e, job.shape
-    mlp = 0 if job.cfg.model.tiles_mlp() else (1 if job.liger else 3) * e * s.intermediate_size
-    return job.tokens * (e * s.hidden_size + max(mlp, _attention_backward(job)))
+    residual = job.tokens * e * s.hidden_size
+    attention = job.tokens * _attention_backward(job)
+    if job.cfg.model.tiles_mlp():
+        return max(residual + mlp_tile(job), attention)
+    return residual + max(job.tokens * (1 if job.liger else 3) * e * s.intermediate_size, attention)
 
 
 def _attention_backward(job: EstimateContext) -> int:

@@ -15,7 +15,6 @@ from zerolab.memory.activations import (
     backward_gradients,
     dora_transient,
     logits_and_loss,
-    mlp_tile,
     mlp_tile_forward,
     recomputed_layer,
     saved_per_layer,
@@ -85,7 +84,7 @@ def device_components(job: EstimateContext) -> tuple[dict[str, int], dict[str, i
     """Components and phases. Persistent = weights + master + optimizer states + the offload
     gradient buffer + framework.
     Forward/backward = persistent + gathered + saved activations + max(loss region, recomputed
-    layer + the gradients of a layer's backward + a tiled MLP's tile + logits, DoRA transient) (+ gradients held across accumulation steps, and ZeRO-3's
+    layer + the gradients of a layer's backward (with the tiled MLP, its tile's or attention's) + logits, DoRA transient) (+ gradients held across accumulation steps, and ZeRO-3's
     gradient partition buffer, allocated at init). Optimizer
     step = persistent + gradients + DeepSpeed buffers + the last logits (``out`` still holds
     them). ZeRO-0's gradient all-reduce = persistent + gradients + their flat bucket, min(T, 5e8)·e
@@ -120,7 +119,7 @@ def device_components(job: EstimateContext) -> tuple[dict[str, int], dict[str, i
     # activation is alive, but not with it.
     # A quantized base's dequantized weight lives only within its layer's product, as FP8's input copy.
     transient = fp8_transient(job) + dequantized_transient(job)
-    peak_activity = max(logits_and_loss(job), recompute + grads_in_flight + mlp_tile(job) + logits + transient, dora_transient(job))
+    peak_activity = max(logits_and_loss(job), recompute + grads_in_flight + logits + transient, dora_transient(job))
     phases = {
         "init": persistent - c["optimizer states"] + (job.T * job.e if job.stage in (1, 2) else 0),
         "forward/backward": persistent + held_grads + gathered(job) + saved + peak_activity,
