@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,18 +108,15 @@ class InDriver:
 
     @contextlib.contextmanager
     def process_group(self, backend: str) -> Iterator[None]:
-        """A one-rank process group on a free local port (DeepSpeed needs one), the rendezvous
-        variables set only while it lives: the process goes on after the run (a Tune trial's
-        actor trains the next trial)."""
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        """A one-rank process group (DeepSpeed needs one) on an in-process store, so no port is
+        taken, and the rank variables set only while it lives: the process goes on after the run
+        (a Tune trial's actor trains the next trial)."""
+        env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            init_distributed(backend, auto_mpi_discovery=False)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            init_distributed(backend, auto_mpi_discovery=False)  # DeepSpeed's communication on that group
             yield
         finally:
             if dist.is_initialized():

@@ -328,10 +328,11 @@ def build_trainer(plan: JobPlan, uri: str | None, run_id: str | None, stop_flag:
     training function in this process), handed the prepared splits, the run folder its checkpoints
     go to and ``resume_from``, the checkpoint to resume (Ray Train's workers find it themselves)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
     from ray.tune.integration.ray_train import TuneReportCallback
 
     from zerolab.placement import InDriver
+    from zerolab.rendezvous import HeldPortTorchConfig
     from zerolab.train import train_loop_per_worker
 
     cfg = plan.cfg
@@ -350,7 +351,7 @@ def build_trainer(plan: JobPlan, uri: str | None, run_id: str | None, stop_flag:
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"plan": worker_plan},
-        torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
+        torch_config=HeldPortTorchConfig(backend="nccl" if s.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=resources,
                                      placement_strategy=s.placement_strategy),
         run_config=RunConfig(
