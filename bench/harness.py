@@ -162,15 +162,15 @@ def _fp8_against_bf16(shape: str, suffix: str = "", **settings: Any) -> list[Run
 
 
 def _suite_long_rows_7b() -> list[Run]:
-    """7B LoRA r16 on one GPU, ZeRO-2, one packed long row per micro-batch, with the settings the
-    memory estimate fits for each length on an 80 GiB GPU: 4K rows as today's benchmark trains
-    them; 32K with the tiled MLP (no checkpointing: the fastest that fits) and with checkpointing;
-    128K with checkpointing, alone and with the tiled MLP; 256K with checkpoint offload and the
-    tiled MLP too; then the longest row the estimate fits here with those (299,008 tokens on one
-    H100 with 128 GiB of host memory, where the checkpoints' pinned copies stop it; 429,056 with 512 GiB). A few steps each, the last window measured (one step at 256K and
-past: the memory peak, the step's time with its first-step costs). A step's
-    attention grows with the square of the row: about 10 s at 32K, a minute at 128K, four at 256K
-    (7B on one H100, FlashAttention-2 at ~300 TFLOP/s), a quarter of an hour at 500K."""
+    """7B LoRA r16 on one GPU, ZeRO-2, one packed long row per micro-batch, with the settings the memory
+    estimate fits for each length on an 80 GiB GPU: 4K rows as today's benchmark trains them; 32K with the
+    tiled MLP (no checkpointing: the fastest that fits) and with checkpointing; 128K with checkpointing,
+    alone and with the tiled MLP; 256K with checkpoint offload and the tiled MLP too; then the longest row
+    the estimate fits here with those (299,008 tokens on one H100 with 128 GiB of host memory, where the
+    checkpoints' pinned copies stop it; 429,056 with 512 GiB). A few steps each, the last window measured
+    (one step at 256K and past: the memory peak, the step's time with its first-step costs). A step's
+    attention grows with the square of the row: about 10 s at 32K, a minute at 128K, four at 256K (7B on one
+    H100, FlashAttention-2 at ~300 TFLOP/s), a quarter of an hour at 500K."""
     long = ("model.offload_checkpoints=true", "model.tiled_mlp=auto")
     return [
         Run("zerolab", "qwen2.5-7b", stage=2, row_tokens=4096, steps=12, window=6, variant="rows4k", timeout_s=300),
@@ -192,15 +192,15 @@ past: the memory peak, the step's time with its first-step costs). A step's
 def _suite_sequence_parallel_7b(gpus: int, sp: int) -> list[Run]:
     """7B LoRA r16, one long row per micro-batch, gradient checkpointing, on ``gpus`` GPUs with each row
     split over ``sp`` of them by Ulysses sequence parallelism (``scaling.sequence_parallel_size``,
-    docs/sequence_parallel.md; the 7B shape's 28 attention and 4 key/value heads allow 2 and 4) against
-    one GPU: first 16K rows for 20 steps, a new row each step, the loss and gradient norm logged every
-    second step (one GPU, then sequence-parallel, each at ZeRO-2 and ZeRO-3: the same rows, the same
-    steps, so each stage's curves must agree; ``bench/loss_curves.py`` compares them: each split run
-    against the one-GPU run of its own stage, which tells the split's effect from the stage's), then 128K rows (a
-    minute's step on one GPU) sequence-parallel at ZeRO-2 and ZeRO-3, and last the longest row the memory
-    estimate fits here sequence-parallel, with checkpointing alone at ZeRO-2 and ZeRO-3 (about 290K
-    tokens at ZeRO-2 on two H100s, a few minutes' step) and with checkpoint offload and the tiled MLP (a long run: about 600K tokens on two H100s of a
-    host with 256 GiB, where the pinned host copies stop it)."""
+    docs/sequence_parallel.md; the 7B shape's 28 attention and 4 key/value heads allow 2 and 4) against one
+    GPU: first 16K rows for 20 steps, a new row each step, the loss and gradient norm logged every second
+    step (one GPU, then sequence-parallel, each at ZeRO-2 and ZeRO-3: the same rows, the same steps, so each
+    stage's curves must agree; ``bench/loss_curves.py`` compares them: each split run against the one-GPU
+    run of its own stage, which tells the split's effect from the stage's), then 128K rows (a minute's step
+    on one GPU) sequence-parallel at ZeRO-2 and ZeRO-3, and last the longest row the memory estimate fits
+    here sequence-parallel, with checkpointing alone at ZeRO-2 and ZeRO-3 (about 290K tokens at ZeRO-2 on
+    two H100s, a few minutes' step) and with checkpoint offload and the tiled MLP (a long run: about 600K
+    tokens on two H100s of a host with 256 GiB, where the pinned host copies stop it)."""
     split = (f"scaling.sequence_parallel_size={sp}",)
     long = (*split, "model.offload_checkpoints=true", "model.tiled_mlp=auto")
     return [
