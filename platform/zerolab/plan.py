@@ -206,6 +206,8 @@ def check_memory(cfg: SFTConfig, model_config: Any, *, force: bool = False, data
     by_config = memory.worst_case_by_config(cfg, model_config, est, limits, calibration=calibration)
     logger.info("memory estimate: %s on %s (%s)%s", est.summary(limits), limits.describe(), est.batch.describe(),
                 f"; {by_config}" if by_config else "")
+    for note in est.notes:
+        logger.info("memory estimate: %s", note)
     return MemoryCheck(est, limits, by_config=by_config)
 
 

@@ -44,6 +44,7 @@ from zerolab.memory.terms import (
     weights,
 )
 from zerolab.memory.units import GIB
+from zerolab.quantization import FOUR_BIT
 from zerolab.zero import Option
 
 
@@ -160,6 +161,11 @@ def build_estimate(job: EstimateContext) -> Estimate:
                          f"flash_attention_2 keeps attention memory linear in the row's length")
     if job.stage == 3 and job.n == 1 and not job.offload_param:
         job.notes.append("ZeRO-3 on one GPU partitions nothing: it holds what ZeRO-0 holds and adds gathering overhead")
+    if job.gpu and job.stage == 3 and not job.offload_param and (job.sp > 1 or job.quantization in FOUR_BIT):
+        # Measured (docs/memory.md, lease h200x4-65): 7B rows split over two GPUs at 16K and 128K, 14B on nf4; not modelled.
+        job.notes.append("ZeRO-3 with " + ("each row split over GPUs" if job.sp > 1 else "a 4-bit base")
+                         + ": the allocator has kept 9-15% more reserved than this estimate on such runs (docs/memory.md); "
+                         "leave that room beyond the margin")
     return Estimate(
         option=job.option, shape=job.shape, world_size=job.n, use_gpu=job.gpu, precision=job.cfg.precision(),
         micro_batch_size=job.batch.micro_batch.rows, seq_len=job.seq_len,
