@@ -21,6 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 import ray
+import torch.distributed as dist
 from ray.train.torch import TorchConfig
 from ray.train.torch.config import _set_torch_distributed_env_vars, _setup_torch_process_group, _TorchBackend
 
@@ -31,8 +32,6 @@ process groups made later (DeepSpeed's, sequence parallelism's) go through it to
 
 def open_store(world_size: int, timeout_s: int) -> tuple[str, int]:
     """On rank 0: serve a rendezvous store on a port the system picks, kept open; its address."""
-    import torch.distributed as dist
-
     global _store
     addr = ray.util.get_node_ip_address()
     _store = dist.TCPStore(addr, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
