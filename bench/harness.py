@@ -74,7 +74,7 @@ class Run:
     overrides: tuple[str, ...] = ()
     """Job config overrides of this run (``KEY=VALUE``), after the ones above."""
     profile_steps: int = 0
-    """zerolab-torchrun: profile this many steps after the measured ones (printed to runs.log)."""
+    """zerolab-torchrun and trl: profile this many steps after the measured ones (printed to runs.log)."""
     traces: tuple[str, ...] = ()
     """zerolab-torchrun: ``memory`` (the allocator's history at the steps' peak) and ``rss`` (the process's
     resident memory by phase), printed to runs.log."""
@@ -352,10 +352,12 @@ SUITES: dict[str, list[Run]] = {
     "trl-0.5b": _suite_trl("qwen2.5-0.5b", micro_batch=4, steps=20, timeout_s=180),
     # Where zerolab's checkpointed nf4 step at one row loses to TRL's (h100-60: 6,047 against 7,501 tokens/s):
     # the same run at ZeRO-0 (no ZeRO-2 gradient buckets and their device syncs), and the ZeRO-2 step
-    # under torchrun, profiled (the GPU's own time per step against the step's wall time).
+    # under torchrun and TRL's step, profiled (the GPU's own time per step against the step's wall time).
     "qlora-7b-step": [Run("zerolab", "qwen2.5-7b", stage=0, steps=12, window=6, checkpointing=True, variant="nf4-mb1-ckpt", timeout_s=300,
                           overrides=("model.quantization=nf4",)),
                       Run("zerolab-torchrun", "qwen2.5-7b", stage=2, steps=8, window=4, checkpointing=True, variant="nf4-mb1-ckpt",
+                          profile_steps=2, timeout_s=300, overrides=("model.quantization=nf4",)),
+                      Run("trl", "qwen2.5-7b", steps=8, window=4, checkpointing=True, attn="auto", variant="nf4-mb1-ckpt-profile",
                           profile_steps=2, timeout_s=300, overrides=("model.quantization=nf4",))],
     # QLoRA against TRL's QLoRA on the same nf4 base and rows: one packed 4k row with gradient checkpointing
     # (the quantized-base memory figure's setting), zerolab at ZeRO-2, alternating, twice each.
@@ -485,7 +487,8 @@ def command(run: Run, ws: Workspace, result: Path) -> list[str]:
         return [*torchrun, str(REPO / "bench" / "seeds_recipe.py"), *common, "--stage", str(run.stage)]
     if run.system == "trl":  # one GPU: started as TRL's users start it, without a launcher
         trl = [str(REPO / "bench" / "trl_sft.py"), *common, "--attn", run.attn, "--kernels", run.kernels,
-               "--quantization", run.quantization(), *(["--gradient-checkpointing"] if run.checkpointing else [])]
+               "--quantization", run.quantization(), "--profile-steps", str(run.profile_steps),
+               *(["--gradient-checkpointing"] if run.checkpointing else [])]
         return [sys.executable, *trl] if run.gpus == 1 else [*torchrun, *trl]
     return [*torchrun, str(REPO / "bench" / "torchrun_loop.py"), "--mode", "plain", *common,
             *(["--gradient-checkpointing"] if run.checkpointing else [])]

@@ -212,7 +212,7 @@ def _profile(step, n: int, report: bool = True) -> None:
     """Print where ``n`` steps spend their time: GPU time by kernel (the 30 largest) and by kind,
     how much of the step the GPU computes, communicates or idles (NCCL overlapped with compute or
     not), the host's blocking CUDA calls; then, over ``n`` more steps with the GPU's activity alone
-    recorded, where the GPU waits for the host (:func:`_print_idle_gaps`); then, over ``n`` more
+    recorded, where the GPU waits for the host (:func:`print_idle_gaps`); then, over ``n`` more
     steps under cProfile, the host's Python time by function (DeepSpeed's ZeRO-3 hooks run there).
     The ranks that do not ``report`` take the same ``3 * n`` steps unprofiled: their collectives pair
     with the reporting rank's."""
@@ -227,6 +227,33 @@ def _profile(step, n: int, report: bool = True) -> None:
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         wall_ms = _timed_steps(step, n)
+    print_kernel_time(prof, n, wall_ms)
+    _print_overlap(prof.events(), n)
+    host = sorted((e for e in prof.key_averages() if e.device_type.name == "CPU" and e.key.startswith("cuda")),
+                  key=lambda e: -e.self_cpu_time_total)[:8]
+    for e in host:
+        print(f"PROFILE host {e.key:40s} {e.count // n:6d}/step  {e.self_cpu_time_total / 1e3 / n:8.1f} ms/step")
+    # The host's side slows under the profiler above; recording the GPU's activity alone keeps its
+    # pace, so the gaps between kernels are the ones of an unprofiled step.
+    with profile(activities=[ProfilerActivity.CUDA]) as quiet:
+        wall_ms = _timed_steps(step, n)
+    print_idle_gaps(quiet.events(), n, wall_ms)
+    py = cProfile.Profile()
+    py.enable()
+    for _ in range(n):
+        step()
+    torch.cuda.synchronize()
+    py.disable()
+    stats = pstats.Stats(py)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:25]  # by own time
+    print(f"PROFILE python, {n} more steps under cProfile (own time; cProfile slows Python-heavy code):")
+    for (file, line, func), (_, calls, own, cum, _) in rows:
+        where = file.split("site-packages/")[-1].split("/platform/")[-1]
+        print(f"PROFILE py {own * 1e3 / n:8.1f} ms/step own {cum * 1e3 / n:8.1f} cum {calls // n:7d}/step  {where}:{line}({func})")
+
+
+def print_kernel_time(prof, n: int, wall_ms: float) -> None:
+    """The GPU's time per step of a profile over ``n`` steps, by kind of kernel and for the 30 largest."""
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]  # kernels, not the operators launching them
     total = sum(e.self_device_time_total for e in events) or 1.0
     kinds = {"attention": ("flash", "fmha", "attention"), "matmul (gemm)": ("gemm", "cutlass", "nvjet", "sm90", "cublas", "splitk"),
@@ -241,28 +268,6 @@ def _profile(step, n: int, report: bool = True) -> None:
         print(f"PROFILE   {kind:22s} {100 * t / total:5.1f}%  {t / 1e3 / n:8.1f} ms/step")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:30]:
         print(f"PROFILE   {100 * e.self_device_time_total / total:5.1f}%  {e.count // n:5d}/step  {e.key[:110]}")
-    _print_overlap(prof.events(), n)
-    host = sorted((e for e in prof.key_averages() if e.device_type.name == "CPU" and e.key.startswith("cuda")),
-                  key=lambda e: -e.self_cpu_time_total)[:8]
-    for e in host:
-        print(f"PROFILE host {e.key:40s} {e.count // n:6d}/step  {e.self_cpu_time_total / 1e3 / n:8.1f} ms/step")
-    # The host's side slows under the profiler above; recording the GPU's activity alone keeps its
-    # pace, so the gaps between kernels are the ones of an unprofiled step.
-    with profile(activities=[ProfilerActivity.CUDA]) as quiet:
-        wall_ms = _timed_steps(step, n)
-    _print_idle_gaps(quiet.events(), n, wall_ms)
-    py = cProfile.Profile()
-    py.enable()
-    for _ in range(n):
-        step()
-    torch.cuda.synchronize()
-    py.disable()
-    stats = pstats.Stats(py)
-    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:25]  # by own time
-    print(f"PROFILE python, {n} more steps under cProfile (own time; cProfile slows Python-heavy code):")
-    for (file, line, func), (_, calls, own, cum, _) in rows:
-        where = file.split("site-packages/")[-1].split("/platform/")[-1]
-        print(f"PROFILE py {own * 1e3 / n:8.1f} ms/step own {cum * 1e3 / n:8.1f} cum {calls // n:7d}/step  {where}:{line}({func})")
 
 
 def _timed_steps(step, n: int) -> float:
@@ -308,7 +313,7 @@ def _print_overlap(events, n: int) -> None:
           f"({overlap / per:.1f} ms of it under compute), idle {(last - first - length(both)) / per:.1f} ms")
 
 
-def _print_idle_gaps(events, n: int, wall_ms: float, min_gap_us: float = 20.0, top: int = 15) -> None:
+def print_idle_gaps(events, n: int, wall_ms: float, min_gap_us: float = 20.0, top: int = 15) -> None:
     """Where the GPU waits for the host: the gaps between consecutive kernels (CUDA activity only)
     of at least ``min_gap_us``, summed per step by the kernels on either side, the largest first."""
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events

@@ -37,6 +37,7 @@ import importlib.util
 import logging
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -109,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernels", choices=["auto", "none"], default="auto", help="auto: Liger's layer kernels where they run")
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--quantization", choices=["none", "nf4", "int8"], default="none", help="a quantized base (QLoRA)")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="after the measured steps, profile this many more, then as many again with the GPU's activity alone, "
+                        "and print where the GPU time goes (as bench/torchrun_loop.py does for zerolab's step)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
 
@@ -123,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         output_dir=tempfile.mkdtemp(prefix="trl-sft-"), max_length=args.max_seq_length, packing=True, packing_strategy="bfd",
         padding_free=True, per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=1,
         gradient_checkpointing=args.gradient_checkpointing, use_liger_kernel=liger, optim="adamw_torch_fused", bf16=cuda,
-        max_steps=args.steps, learning_rate=1e-4, lr_scheduler_type="cosine", warmup_steps=0.03, weight_decay=0.1,
+        max_steps=args.steps + 2 * args.profile_steps, learning_rate=1e-4, lr_scheduler_type="cosine", warmup_steps=0.03, weight_decay=0.1,
         max_grad_norm=1.0, seed=42, logging_steps=args.steps, save_strategy="no", report_to=[], disable_tqdm=True)
     device = training_args.device
     attn = pick_attention(args.attn, device)
@@ -145,12 +149,42 @@ def main(argv: list[str] | None = None) -> int:
             return super().training_step(model, inputs, *rest, **kwargs)
 
     class Meter(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):  # type: ignore[override]
-            meter.step_done(sum(counted) if counted else 0)
+        def on_step_end(self, args_, state, control, **kwargs):  # type: ignore[override]
+            if state.global_step <= args.steps:
+                meter.step_done(sum(counted) if counted else 0)
             counted.clear()
 
+    class Profiler(TrainerCallback):
+        """The ``n`` steps after the measured ones with the host and the GPU recorded (the GPU's time
+        by kind of kernel), then ``n`` more with the GPU's activity alone (where it waits for the host)."""
+
+        prof, start, n = None, 0.0, args.profile_steps
+
+        def on_step_begin(self, args_, state, control, **kwargs):  # type: ignore[override]
+            from torch.profiler import ProfilerActivity, profile
+
+            if state.global_step in (args.steps, args.steps + self.n):
+                activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if state.global_step == args.steps else [])
+                torch.cuda.synchronize()
+                self.prof, self.start = profile(activities=activities).__enter__(), time.perf_counter()
+
+        def on_step_end(self, args_, state, control, **kwargs):  # type: ignore[override]
+            from bench.torchrun_loop import print_idle_gaps, print_kernel_time
+
+            if self.prof is not None and state.global_step in (args.steps + self.n, args.steps + 2 * self.n):
+                torch.cuda.synchronize()
+                wall_ms = (time.perf_counter() - self.start) * 1e3 / self.n
+                self.prof.__exit__(None, None, None)
+                if state.global_step == args.steps + self.n:
+                    print_kernel_time(self.prof, self.n, wall_ms)
+                else:
+                    print_idle_gaps(self.prof.events(), self.n, wall_ms)
+                self.prof = None
+
+    callbacks = [Meter(), *([Profiler()] if args.profile_steps else [])]
+
     trainer = MeteredTrainer(model=model, args=training_args, train_dataset=dataset, processing_class=tokenizer, peft_config=lora,
-                             callbacks=[Meter()])
+                             callbacks=callbacks)
     total, trainable = model_counts(trainer.model)
     logger.info("TRL %s: attention %s, Liger layer kernels %s, base %s, %d packed sequences", importlib.metadata.version("trl"), attn,
                 "on" if liger else "off", args.quantization, len(trainer.train_dataset))
