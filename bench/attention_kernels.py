@@ -17,60 +17,56 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
+
 SHAPES = {"qwen2.5-7b": (28, 4, 128), "qwen2.5-0.5b": (14, 2, 64)}
-CASES = [("qwen2.5-7b", [1024] * 4), ("qwen2.5-7b", [32768]), ("qwen2.5-7b", [131072]),
-         ("qwen2.5-0.5b", [1024] * 4), ("qwen2.5-0.5b", [65536])]
+# (shape, the sequences of one packed row): short samples as the benchmark mix packs them, long rows of one
+# sample, and a long row packed from several.
+CASES = [("qwen2.5-7b", [1024] * 4), ("qwen2.5-7b", [2900, 700, 300, 196]), ("qwen2.5-7b", [32768]),
+         ("qwen2.5-7b", [20000, 8000, 4768]), ("qwen2.5-7b", [131072]), ("qwen2.5-0.5b", [1024] * 4), ("qwen2.5-0.5b", [65536])]
 
 
-def varlen_fa2(q, k, v, cu, max_len, scale):
-    from torch.nn.attention.varlen import varlen_attn
+def packed(call, bound_is_width=False):
+    """zerolab's varlen call on the packed row; with ``bound_is_width`` its longest-sequence bound is the
+    row's width, as zerolab passes it, else the longest sample."""
 
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, window_size=(-1, 0), enable_gqa=True)
+    def run(q, k, v, cu, max_len, scale):
+        return call(q, k, v, cu, q.shape[0] if bound_is_width else max_len, scale)
+
+    return run
 
 
-def sdpa(backend):
+def cudnn_ragged_repeated(q, k, v, cu, max_len, scale):
+    from zerolab.kernels import _cudnn_varlen_call
+
+    rep = q.shape[1] // k.shape[1]
+    return _cudnn_varlen_call(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), cu, max_len, scale)
+
+
+def sdpa(backend, gqa):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def run(q, k, v, cu, max_len, scale):
         assert cu.numel() == 2, "one sequence only"
         qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        if not gqa:
+            rep = q.shape[1] // k.shape[1]
+            kt, vt = kt.repeat_interleave(rep, 1), vt.repeat_interleave(rep, 1)
         with sdpa_kernel(getattr(SDPBackend, backend)):
-            try:
-                out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
-            except RuntimeError:
-                rep = q.shape[1] // k.shape[1]
-                out = F.scaled_dot_product_attention(qt, kt.repeat_interleave(rep, 1), vt.repeat_interleave(rep, 1), is_causal=True,
-                                                     scale=scale)
+            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
         return out.squeeze(0).transpose(0, 1)
 
     return run
 
 
-class _CudnnRagged(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cu, max_len, scale):
-        out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._cudnn_attention_forward(
-            q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu, seed, offset)
-        ctx.max_len, ctx.scale = max_len, scale
-        return out
+def kernels():
+    from zerolab.kernels import _cudnn_varlen_call, _varlen_call
 
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
-        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            grad.contiguous(), q, k, v, out, lse, seed, offset, torch.empty(0, device=q.device), cu, cu, ctx.max_len, ctx.max_len, 0.0,
-            True, scale=ctx.scale)
-        return dq, dk, dv, None, None, None
-
-
-def cudnn_ragged(q, k, v, cu, max_len, scale):
-    rep = q.shape[1] // k.shape[1]
-    return _CudnnRagged.apply(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), cu, max_len, scale)
-
-
-KERNELS = {"varlen FA2": varlen_fa2, "SDPA flash": sdpa("FLASH_ATTENTION"), "SDPA cuDNN": sdpa("CUDNN_ATTENTION"),
-           "cuDNN ragged": cudnn_ragged}
+    return {"varlen FA2": packed(_varlen_call), "varlen FA2, bound = row width": packed(_varlen_call, True),
+            "cuDNN ragged": packed(_cudnn_varlen_call), "cuDNN ragged, bound = row width": packed(_cudnn_varlen_call, True),
+            "cuDNN ragged, K/V repeated": cudnn_ragged_repeated,
+            "SDPA flash": sdpa("FLASH_ATTENTION", True), "SDPA cuDNN, enable_gqa": sdpa("CUDNN_ATTENTION", True),
+            "SDPA cuDNN, K/V repeated": sdpa("CUDNN_ATTENTION", False)}
 
 
 def measure(fn, q, k, v, cu, max_len, scale, grad, iters):
@@ -81,8 +77,12 @@ def measure(fn, q, k, v, cu, max_len, scale, grad, iters):
         out.backward(grad)
         return out
 
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     out = once()
     torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
     start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
     fwd = bwd = 0.0
     for _ in range(iters):
@@ -96,7 +96,7 @@ def measure(fn, q, k, v, cu, max_len, scale, grad, iters):
         torch.cuda.synchronize()
         fwd += start.elapsed_time(mid) / iters
         bwd += mid.elapsed_time(end) / iters
-    return out.detach(), [t.grad.detach().clone() for t in (q, k, v)], fwd, bwd
+    return out.detach(), [t.grad.detach().clone() for t in (q, k, v)], fwd, bwd, peak
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     dev = torch.device("cuda")
     print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}", flush=True)
-    lines = ["| shape | sequences | kernel | forward ms | backward ms | TFLOP/s fwd / bwd | rel. error out / dq / dk / dv |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| shape | sequences | kernel | forward ms | backward ms | TFLOP/s fwd / bwd | peak above inputs MiB | rel. error out / dq / dk / dv |",
+             "|---|---|---|---|---|---|---|---|"]
     records = []
     for shape, lengths in CASES:
         hq, hkv, d = SHAPES[shape]
@@ -118,24 +118,24 @@ def main(argv: list[str] | None = None) -> int:
         flops = sum(2 * 2 * n * n / 2 * hq * d for n in lengths)
         iters = 2 if total > 100_000 else 5
         ref = None
-        for name, fn in KERNELS.items():
-            if name.startswith("SDPA") and len(lengths) > 1:
-                continue
+        for name, fn in kernels().items():
+            if (name.startswith("SDPA") and len(lengths) > 1) or ("row width" in name and len(lengths) == 1):
+                continue  # SDPA takes one sequence; one sequence's bound is the row's width
             try:
-                out, grads, fwd, bwd = measure(fn, q, k, v, cu, max(lengths), d**-0.5, grad, iters)
+                out, grads, fwd, bwd, peak = measure(fn, q, k, v, cu, max(lengths), d**-0.5, grad, iters)
             except Exception as exc:  # a backend this torch or GPU lacks
-                print(f"{shape} {lengths[0]}x{len(lengths)} {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}", flush=True)
-                lines.append(f"| {shape} | {len(lengths)} × {lengths[0]} | {name} | — | — | — | {type(exc).__name__} |")
+                print(f"{shape} {lengths} {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}", flush=True)
+                lines.append(f"| {shape} | {'+'.join(map(str, lengths))} | {name} | — | — | — | — | {type(exc).__name__} |")
                 continue
             if ref is None:
                 ref = (out, grads)
             err = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip([out, *grads], [ref[0], *ref[1]])]
             rec = {"shape": shape, "lengths": lengths, "kernel": name, "fwd_ms": fwd, "bwd_ms": bwd,
-                   "tflops_fwd": flops / fwd / 1e9, "tflops_bwd": 2.5 * flops / bwd / 1e9, "rel_err": err}
+                   "tflops_fwd": flops / fwd / 1e9, "tflops_bwd": 2.5 * flops / bwd / 1e9, "peak_mib": peak / 2**20, "rel_err": err}
             records.append(rec)
             print(json.dumps(rec), flush=True)
-            lines.append(f"| {shape} | {len(lengths)} × {lengths[0]} | {name} | {fwd:.2f} | {bwd:.2f} | {rec['tflops_fwd']:.0f} / "
-                         f"{rec['tflops_bwd']:.0f} | {' / '.join(f'{e:.1e}' for e in err)} |")
+            lines.append(f"| {shape} | {'+'.join(map(str, lengths))} | {name} | {fwd:.2f} | {bwd:.2f} | {rec['tflops_fwd']:.0f} / "
+                         f"{rec['tflops_bwd']:.0f} | {peak / 2**20:,.0f} | {' / '.join(f'{e:.1e}' for e in err)} |")
             del out, grads
             torch.cuda.empty_cache()
     text = "\n".join(lines)

@@ -58,14 +58,18 @@ logger = logging.getLogger(__name__)
 
 VARLEN_ATTENTION = "zerolab_varlen"
 """The name under which the varlen attention function is registered with transformers."""
+VARLEN_CUDNN_ATTENTION = "zerolab_varlen_cudnn"
+"""The same function on cuDNN's fused attention (``model.varlen_kernel``)."""
 
 
 # --- varlen attention -----------------------------------------------------------------------------
 
 
-def resolve_attention(requested: str, device: torch.device | None = None) -> str:
+def resolve_attention(requested: str, device: torch.device | None = None, kernel: str = "auto") -> str:
     """The ``attn_implementation`` to load the model with: ``varlen`` becomes the registered varlen
-    function where it runs correctly on ``device`` (default: the current CUDA device), else ``sdpa``."""
+    function where it runs correctly on ``device`` (default: the current CUDA device), else ``sdpa``;
+    on ``kernel`` (``model.varlen_kernel``): ``cudnn`` or ``auto`` take cuDNN's fused attention where
+    it passes the same self-check, else FlashAttention-2's; ``flash`` takes FlashAttention-2's."""
     if requested != "varlen":
         return requested
     reason = varlen_unavailable_reason(device)
@@ -74,6 +78,14 @@ def resolve_attention(requested: str, device: torch.device | None = None) -> str
         return "sdpa"
     from transformers import AttentionInterface
 
+    if kernel != "flash":
+        cudnn_reason = ("needs a CUDA device" if not torch.cuda.is_available() or (device is not None and device.type != "cuda")
+                        else _self_check(str(device or torch.device("cuda", torch.cuda.current_device())), _cudnn_varlen_call))
+        if cudnn_reason is None:
+            AttentionInterface.register(VARLEN_CUDNN_ATTENTION, functools.partial(varlen_attention_forward, call=_cudnn_varlen_call))
+            return VARLEN_CUDNN_ATTENTION
+        log = logger.warning if kernel == "cudnn" else logger.info
+        log("model.varlen_kernel=%s: cuDNN's attention %s; using FlashAttention-2's varlen kernel", kernel, cudnn_reason)
     AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
     return VARLEN_ATTENTION
 
@@ -83,26 +95,28 @@ def varlen_unavailable_reason(device: torch.device | None = None) -> str | None:
     if not torch.cuda.is_available() or (device is not None and device.type != "cuda"):
         return "no CUDA device"
     device = device or torch.device("cuda", torch.cuda.current_device())
-    return _varlen_self_check(str(device))
-
-
-@functools.lru_cache(maxsize=4)
-def _varlen_self_check(device: str) -> str | None:
-    """Forward and backward of three packed causal sequences (GQA 4:2) against SDPA per sequence."""
     try:
         from torch.nn.attention import varlen  # noqa: F401
     except ImportError:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen"
+    reason = _self_check(str(device), _varlen_call)
+    return reason and f"the varlen kernel {reason}"
+
+
+@functools.lru_cache(maxsize=8)
+def _self_check(device: str, call: Any) -> str | None:
+    """Forward and backward of three packed causal sequences (GQA 4:2) through ``call`` against SDPA
+    per sequence; None where they agree, else why not."""
     gen = torch.Generator(device=device).manual_seed(0)
     lengths = [37, 64, 27]
     cu = torch.tensor([0, 37, 101, 128], dtype=torch.int32, device=device)
     q, k, v = (torch.randn(128, h, 64, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
                for h in (4, 2, 2))
     try:
-        out = _varlen_call(q, k, v, cu, max(lengths), 64**-0.5)
+        out = call(q, k, v, cu, max(lengths), 64**-0.5)
         out.float().square().sum().backward()
-    except (RuntimeError, TypeError, NotImplementedError) as exc:
-        return f"the varlen kernel failed its self-check ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+    except (RuntimeError, TypeError, NotImplementedError, IndexError) as exc:
+        return f"failed its self-check ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
     grads = q.grad.float().clone()
     ref_out, ref_grads = [], []
     for start, n in zip(cu[:-1].tolist(), lengths):
@@ -114,7 +128,7 @@ def _varlen_self_check(device: str) -> str | None:
     err_out = (out.float() - torch.cat(ref_out)).norm() / torch.cat(ref_out).norm()
     err_grad = (grads - torch.cat(ref_grads)).norm() / torch.cat(ref_grads).norm()
     if not (err_out < 2e-2 and err_grad < 5e-2):  # bf16 operands land near 1e-3..1e-2
-        return f"the varlen kernel disagrees with SDPA (relative error {err_out:.1e} forward, {err_grad:.1e} backward)"
+        return f"disagrees with SDPA (relative error {err_out:.1e} forward, {err_grad:.1e} backward)"
     return None
 
 
@@ -136,6 +150,13 @@ def _varlen_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Te
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
 
 
+def _cudnn_varlen_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+    """Causal attention on packed (T, heads, head_dim) tensors through cuDNN's fused attention over
+    ragged sequences (``aten::_cudnn_attention_forward`` with the sequences' offsets, as SDPA's cuDNN
+    backend runs nested tensors; autograd calls its backward), with fewer K/V heads as they are (GQA)."""
+    return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False, scale=scale)[0]
+
+
 @functools.cache
 def _varlen_params() -> frozenset[str]:
     from torch.nn.attention.varlen import varlen_attn
@@ -145,9 +166,10 @@ def _varlen_params() -> frozenset[str]:
 
 def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                             **kwargs: Any) -> tuple[torch.Tensor, None]:
+                             call: Any = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """A transformers attention function. Packed micro-batches (``packed_cu_seqlens`` given) run the
-    varlen kernel over the flattened B·S tokens, with the row width as the longest-sequence bound (a
+    varlen kernel (``call``: FlashAttention-2's by default, or cuDNN's, bound by
+    :func:`resolve_attention`) over the flattened B·S tokens, with the row width as the longest-sequence bound (a
     bound is enough and needs no device sync); so do padding-free batches in transformers' own
     format (``cu_seq_lens_q`` with ``max_length_q``, as TRL's collator makes them), with their
     longest sample as the bound. Any other batch goes to SDPA. transformers builds no mask for this
@@ -165,7 +187,7 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     q = query.transpose(1, 2).reshape(b * s, heads, d)
     k = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
     v = value.transpose(1, 2).reshape(b * s, value.shape[1], d)
-    out = _varlen_call(q, k, v, cu, bound or s, scaling if scaling is not None else d**-0.5)
+    out = (call or _varlen_call)(q, k, v, cu, bound or s, scaling if scaling is not None else d**-0.5)
     return out.view(b, s, heads, d), None
 
 
@@ -550,7 +572,7 @@ def compile_layers(layers: list[torch.nn.Module], backend: Any = "inductor") -> 
     return len(layers)
 
 
-__all__ = ["CU_SEQLENS_KEY", "E4M3_MAX", "VARLEN_ATTENTION", "Fp8Weight", "apply_liger", "compile_layers",
+__all__ = ["CU_SEQLENS_KEY", "E4M3_MAX", "VARLEN_ATTENTION", "VARLEN_CUDNN_ATTENTION", "Fp8Weight", "apply_liger", "compile_layers",
            "fp8_eligible", "fp8_layers",
            "fp8_unavailable_reason", "fuse_lora", "liger_available", "packed_cu_seqlens", "quantize_rows", "resolve_attention",
            "use_fp8", "use_fused_loss", "use_liger", "varlen_attention_forward", "varlen_unavailable_reason"]
