@@ -1,6 +1,7 @@
 """Causal attention kernels on one GPU, forward and backward, at the shapes zerolab trains: the
-varlen FlashAttention-2 kernel zerolab runs (``torch.nn.attention.varlen``), SDPA's FlashAttention
-and cuDNN backends on a whole row, and cuDNN's ragged (packed) attention. Prints TFLOP/s (causal
+varlen FlashAttention-2 kernel zerolab runs on rows of several samples (``torch.nn.attention.varlen``),
+and SDPA's FlashAttention and cuDNN backends on rows of one sample (with GQA's fewer K/V heads as
+they are, and repeated to the query heads). Prints TFLOP/s (causal
 FLOPs: forward 2·2·S²/2·H·D per sequence, backward 2.5× that) and each kernel's relative error
 against the varlen kernel's output and gradients.
 
@@ -26,23 +27,6 @@ CASES = [("qwen2.5-7b", [1024] * 4), ("qwen2.5-7b", [2900, 700, 300, 196]), ("qw
          ("qwen2.5-7b", [20000, 8000, 4768]), ("qwen2.5-7b", [131072]), ("qwen2.5-0.5b", [1024] * 4), ("qwen2.5-0.5b", [65536])]
 
 
-def packed(call, bound_is_width=False):
-    """zerolab's varlen call on the packed row; with ``bound_is_width`` its longest-sequence bound is the
-    row's width, as zerolab passes it, else the longest sample."""
-
-    def run(q, k, v, cu, max_len, scale):
-        return call(q, k, v, cu, q.shape[0] if bound_is_width else max_len, scale)
-
-    return run
-
-
-def cudnn_ragged_repeated(q, k, v, cu, max_len, scale):
-    from zerolab.kernels import _cudnn_varlen_call
-
-    rep = q.shape[1] // k.shape[1]
-    return _cudnn_varlen_call(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), cu, max_len, scale)
-
-
 def sdpa(backend, gqa):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -60,12 +44,9 @@ def sdpa(backend, gqa):
 
 
 def kernels():
-    from zerolab.kernels import _cudnn_varlen_call, _varlen_call
+    from zerolab.kernels import _varlen_call
 
-    return {"varlen FA2": packed(_varlen_call), "varlen FA2, bound = row width": packed(_varlen_call, True),
-            "cuDNN ragged": packed(_cudnn_varlen_call), "cuDNN ragged, bound = row width": packed(_cudnn_varlen_call, True),
-            "cuDNN ragged, K/V repeated": cudnn_ragged_repeated,
-            "SDPA flash": sdpa("FLASH_ATTENTION", True), "SDPA cuDNN, enable_gqa": sdpa("CUDNN_ATTENTION", True),
+    return {"varlen FA2": _varlen_call, "SDPA flash": sdpa("FLASH_ATTENTION", True), "SDPA cuDNN, enable_gqa": sdpa("CUDNN_ATTENTION", True),
             "SDPA cuDNN, K/V repeated": sdpa("CUDNN_ATTENTION", False)}
 
 
@@ -119,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         iters = 2 if total > 100_000 else 5
         ref = None
         for name, fn in kernels().items():
-            if (name.startswith("SDPA") and len(lengths) > 1) or ("row width" in name and len(lengths) == 1):
-                continue  # SDPA takes one sequence; one sequence's bound is the row's width
+            if name.startswith("SDPA") and len(lengths) > 1:
+                continue  # SDPA takes rows of one sequence
             try:
                 out, grads, fwd, bwd, peak = measure(fn, q, k, v, cu, max(lengths), d**-0.5, grad, iters)
             except Exception as exc:  # a backend this torch or GPU lacks

@@ -23,8 +23,10 @@ IGNORE_INDEX = -100
 
 CU_SEQLENS_KEY = "packed_cu_seqlens"
 """Model input (int32, B·S + 1 at most) with the start of every packed sample in the flattened
-micro-batch and its end: the batcher adds it to packed micro-batches; attention other than
-``varlen`` ignores it."""
+micro-batch and its end: the batcher adds it to packed micro-batches where a row holds more than
+one sample (rows of one sample, right-padded, need only causal attention: long rows take a faster
+kernel there, ``zerolab.kernels.varlen_attention_forward``); attention other than ``varlen``
+ignores it."""
 
 
 def packed_cu_seqlens(row_lengths: list[list[int]], width: int) -> torch.Tensor:
@@ -208,7 +210,8 @@ class MicroBatches:
                 parts.append(np.arange(width - lengths[r]))  # padding forms its own (ignored) sequence
                 positions[r] = torch.from_numpy(np.concatenate(parts))
             inputs["position_ids"] = positions
-            inputs[CU_SEQLENS_KEY] = packed_cu_seqlens([[len(self.rows[i][0]) for i in seq] for seq in batch], width)
+            if any(len(seq) > 1 for seq in batch):  # rows of one sample each need no boundaries: causal attention keeps them
+                inputs[CU_SEQLENS_KEY] = packed_cu_seqlens([[len(self.rows[i][0]) for i in seq] for seq in batch], width)
         else:
             inputs["attention_mask"] = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
         return Batch(inputs=inputs, num_tokens=sum(lengths), num_targets=count_targets(labels))

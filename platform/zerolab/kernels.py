@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 VARLEN_ATTENTION = "zerolab_varlen"
 """The name under which the varlen attention function is registered with transformers."""
 VARLEN_CUDNN_ATTENTION = "zerolab_varlen_cudnn"
-"""The same function on cuDNN's fused attention (``model.varlen_kernel``)."""
+"""The same function with rows of one sample on cuDNN's attention (``model.varlen_kernel``)."""
 
 
 # --- varlen attention -----------------------------------------------------------------------------
@@ -67,9 +67,12 @@ VARLEN_CUDNN_ATTENTION = "zerolab_varlen_cudnn"
 
 def resolve_attention(requested: str, device: torch.device | None = None, kernel: str = "auto") -> str:
     """The ``attn_implementation`` to load the model with: ``varlen`` becomes the registered varlen
-    function where it runs correctly on ``device`` (default: the current CUDA device), else ``sdpa``;
-    on ``kernel`` (``model.varlen_kernel``): ``cudnn`` or ``auto`` take cuDNN's fused attention where
-    it passes the same self-check, else FlashAttention-2's; ``flash`` takes FlashAttention-2's."""
+    function where it runs correctly on ``device`` (default: the current CUDA device), else ``sdpa``.
+    ``kernel`` (``model.varlen_kernel``) chooses the kernel of rows that hold one sample: ``cudnn`` or
+    ``auto``, SDPA's cuDNN backend where it passes the same self-check; ``flash`` (or where it fails),
+    SDPA's FlashAttention-2. Rows of several samples take FlashAttention-2's varlen kernel either way:
+    cuDNN's attention over packed (ragged) sequences gave wrong gradients in torch 2.11
+    (docs/benchmark.md#attention-kernels)."""
     if requested != "varlen":
         return requested
     reason = varlen_unavailable_reason(device)
@@ -80,12 +83,12 @@ def resolve_attention(requested: str, device: torch.device | None = None, kernel
 
     if kernel != "flash":
         cudnn_reason = ("needs a CUDA device" if not torch.cuda.is_available() or (device is not None and device.type != "cuda")
-                        else _self_check(str(device or torch.device("cuda", torch.cuda.current_device())), _cudnn_varlen_call))
+                        else _self_check(str(device or torch.device("cuda", torch.cuda.current_device())), _cudnn_call))
         if cudnn_reason is None:
-            AttentionInterface.register(VARLEN_CUDNN_ATTENTION, functools.partial(varlen_attention_forward, call=_cudnn_varlen_call))
+            AttentionInterface.register(VARLEN_CUDNN_ATTENTION, functools.partial(varlen_attention_forward, cudnn=True))
             return VARLEN_CUDNN_ATTENTION
         log = logger.warning if kernel == "cudnn" else logger.info
-        log("model.varlen_kernel=%s: cuDNN's attention %s; using FlashAttention-2's varlen kernel", kernel, cudnn_reason)
+        log("model.varlen_kernel=%s: cuDNN's attention %s; using FlashAttention-2's", kernel, cudnn_reason)
     AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
     return VARLEN_ATTENTION
 
@@ -150,11 +153,23 @@ def _varlen_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Te
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
 
 
-def _cudnn_varlen_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
-    """Causal attention on packed (T, heads, head_dim) tensors through cuDNN's fused attention over
-    ragged sequences (``aten::_cudnn_attention_forward`` with the sequences' offsets, as SDPA's cuDNN
-    backend runs nested tensors; autograd calls its backward), with fewer K/V heads as they are (GQA)."""
-    return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False, scale=scale)[0]
+def _cudnn_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+    """The self-check's call for cuDNN's attention: each sequence of the packed (T, heads, head_dim)
+    tensors as a row of its own through SDPA's cuDNN backend (GQA as it is), as
+    :func:`varlen_attention_forward` runs rows of one sample."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    outs = []
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        outs.append(out.squeeze(0).transpose(0, 1))
+    return torch.cat(outs)
+
+
+CUDNN_FIRST = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+"""SDPA's backends in the order rows of one sample try them under ``model.varlen_kernel`` cudnn."""
 
 
 @functools.cache
@@ -166,28 +181,34 @@ def _varlen_params() -> frozenset[str]:
 
 def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                             call: Any = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+                             cudnn: bool = False, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """A transformers attention function. Packed micro-batches (``packed_cu_seqlens`` given) run the
-    varlen kernel (``call``: FlashAttention-2's by default, or cuDNN's, bound by
-    :func:`resolve_attention`) over the flattened B·S tokens, with the row width as the longest-sequence bound (a
+    varlen kernel over the flattened B·S tokens, with the row width as the longest-sequence bound (a
     bound is enough and needs no device sync); so do padding-free batches in transformers' own
     format (``cu_seq_lens_q`` with ``max_length_q``, as TRL's collator makes them), with their
-    longest sample as the bound. Any other batch goes to SDPA. transformers builds no mask for this
-    implementation, so those batches must be right-padded (as zerolab's are): with causal attention
-    no real token then sees a padding token."""
+    longest sample as the bound. Any other batch goes to SDPA, causal where it has no mask: packed
+    rows of one sample each, for which the batcher gives no boundaries (long rows), and with
+    ``cudnn`` (``model.varlen_kernel``, bound by :func:`resolve_attention`) cuDNN's attention first.
+    transformers builds no mask for this implementation, so those batches must be right-padded (as
+    zerolab's are): with causal attention no real token then sees a padding token."""
     cu, bound = kwargs.get(CU_SEQLENS_KEY), None
     if cu is None and kwargs.get("cu_seq_lens_q") is not None:
         cu, bound = kwargs["cu_seq_lens_q"], kwargs.get("max_length_q")
     if cu is None or dropout:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        if cudnn and attention_mask is None and not dropout:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel([getattr(SDPBackend, b) for b in CUDNN_FIRST], set_priority=True):
+                return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     b, heads, s, d = query.shape
     # (B, H, S, D) -> (B·S, H, D); the projections' outputs are laid out (B, S, H, D), so these are views.
     q = query.transpose(1, 2).reshape(b * s, heads, d)
     k = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
     v = value.transpose(1, 2).reshape(b * s, value.shape[1], d)
-    out = (call or _varlen_call)(q, k, v, cu, bound or s, scaling if scaling is not None else d**-0.5)
+    out = _varlen_call(q, k, v, cu, bound or s, scaling if scaling is not None else d**-0.5)
     return out.view(b, s, heads, d), None
 
 
