@@ -372,18 +372,6 @@ SUITES: dict[str, list[Run]] = {
     "long-rows-0.5b": [Run("zerolab", "qwen2.5-0.5b", stage=2, row_tokens=65536, steps=6, window=3, variant=f"rows64k{label}",
                            timeout_s=420, overrides=overrides)
                        for label, overrides in (("", ()), ("-tiled", ("model.tiled_mlp=auto",)))],
-    # The varlen attention's kernel (model.varlen_kernel), FlashAttention-2 against cuDNN, one run each: 7B at
-    # its recommended setting (two packed 4k rows), at 32K rows with the tiled MLP and 128K with checkpointing,
-    # and the 0.5B shape at 64K rows (bench/attention_kernels.py times the kernels alone).
-    "varlen-kernel": [r for k in ("flash", "cudnn") for r in (
-        Run("zerolab", "qwen2.5-7b", stage=2, micro_batch=2, steps=12, window=6, variant=f"mb2-{k}", timeout_s=300,
-            overrides=(f"model.varlen_kernel={k}",)),
-        Run("zerolab", "qwen2.5-7b", stage=2, row_tokens=32768, steps=6, window=3, variant=f"rows32k-tiled-{k}", timeout_s=420,
-            overrides=("model.tiled_mlp=auto", f"model.varlen_kernel={k}")),
-        Run("zerolab", "qwen2.5-7b", stage=2, row_tokens=131072, steps=2, window=1, checkpointing=True, variant=f"rows128k-ckpt-{k}",
-            timeout_s=540, overrides=(f"model.varlen_kernel={k}",)),
-        Run("zerolab", "qwen2.5-0.5b", stage=2, row_tokens=65536, steps=6, window=3, variant=f"rows64k-{k}", timeout_s=420,
-            overrides=(f"model.varlen_kernel={k}",)))],
     # Ulysses sequence parallelism against one GPU (see _suite_sequence_parallel_7b): each row over two
     # GPUs, over four, and on eight GPUs in two groups of four (the most the 7B shape's heads allow).
     "sp-7b-2gpu": _suite_sequence_parallel_7b(2, sp=2),

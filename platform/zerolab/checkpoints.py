@@ -52,7 +52,7 @@ RESUME_SAFE_KEYS = {
     "run.max_failures", "run.storage_path", "run.max_wall_time_s", "tracking.uri", "tracking.experiment",
     "tracking.register", "tracking.registered_model", "tracking.model_alias", "tracking.system_metrics_interval_s",
     "eval.enabled", "eval.num_examples", "eval.max_new_tokens", "eval.batch_size", "eval.compare_base", "eval.num_workers",
-    "scaling.cpus_per_worker", "scaling.placement_strategy", "scaling.launch", "model.attn_implementation", "model.varlen_kernel",
+    "scaling.cpus_per_worker", "scaling.placement_strategy", "scaling.launch", "model.attn_implementation",
     "model.gradient_checkpointing", "deepspeed.config", "deepspeed.z3_leaf_layers",
 }
 """Keys a relaunch may change without changing what is trained (or what the checkpoint holds): how

@@ -52,8 +52,6 @@ class ModelSpec:
     """Hub revision (branch, tag or commit) when `name_or_path` is a hub id."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "varlen"] = "sdpa"
     """Attention kernel; `varlen`: PyTorch's FlashAttention varlen kernel on packed batches (GPU; elsewhere `sdpa`); `flash_attention_2` needs the flash-attn package."""
-    varlen_kernel: Literal["auto", "cudnn", "flash"] = "auto"
-    """With `attn_implementation: varlen`, the kernel packed rows run through: `cudnn`, cuDNN's fused attention over the packed (ragged) sequences; `flash`, PyTorch's FlashAttention-2 varlen kernel; `auto`: cuDNN's where it passes its numerical self-check on the GPU, else FlashAttention-2's (docs/benchmark.md#attention-kernels)."""
     kernels: Literal["auto", "liger", "none"] = "auto"
     """Fused kernels: Liger Kernel's Triton RMSNorm, SwiGLU, RoPE and linear + cross-entropy (`auto`: on GPU where the package is installed; `liger`: required) and LoRA's scale+add fused into one matrix product (any device, ZeRO 0-2); `none`: Hugging Face's and peft's own modules."""
     gradient_checkpointing: bool = False
@@ -478,9 +476,6 @@ def validate(cfg: SFTConfig) -> list[str]:
     if ds.offload_param and ds.stage != 3:
         p.append(f"deepspeed.offload_param: parameter offload needs ZeRO stage 3 (got stage {ds.stage}); set deepspeed.stage=3 or deepspeed.offload_param=false")
 
-    if m.varlen_kernel != "auto" and m.attn_implementation != "varlen":
-        p.append(f"model.varlen_kernel: {m.varlen_kernel} chooses the kernel of varlen attention, and model.attn_implementation is "
-                 f"{m.attn_implementation}; set model.attn_implementation=varlen, or leave model.varlen_kernel at auto")
     if not s.use_gpu:
         if t.precision == "fp16":
             p.append("train.precision: fp16 needs a GPU (DeepSpeed's CPU accelerator has no fp16 loss scaling); use fp32 or auto with scaling.use_gpu=false")

@@ -62,7 +62,7 @@ def build_model(cfg: SFTConfig, ds_config: dict, total_steps: int, *, zero3: Zer
     With ``scaling.sequence_parallel_size`` > 1 it turns ``ulysses`` on (the sequence-parallel
     groups and attention, ``zerolab.sequence_parallel``) before the model loads; the caller closes it."""
     if ulysses is not None and cfg.scaling.sequence_parallel_size > 1:
-        ulysses.enable(cfg.scaling.sequence_parallel_size, kernels.resolve_attention(cfg.model.attn_implementation, kernel=cfg.model.varlen_kernel),
+        ulysses.enable(cfg.scaling.sequence_parallel_size, kernels.resolve_attention(cfg.model.attn_implementation),
                        load_model_config(cfg.model), packing=cfg.data.packing, micro_batch_size=cfg.train.micro_batch_size)
     dtype = DTYPES[cfg.precision()]
     quantized = cfg.model.quantization != "none"

@@ -4,7 +4,8 @@
   FlashAttention variable-length kernel (``torch.nn.attention.varlen``), one causal attention per
   packed sample from the per-sample boundaries the batcher computes (``packed_cu_seqlens``), so
   packed samples never attend to each other and no block of the S×S score matrix outside a
-  sample is computed. SDPA with the block-diagonal mask that transformers builds from position
+  sample is computed. Rows of one sample each (long rows) need no boundaries and take SDPA's
+  causal attention, cuDNN's kernel on Hopper GPUs, which is faster there. SDPA with the block-diagonal mask that transformers builds from position
   ids computes every block, and on GPUs takes the slower memory-efficient kernel. Where the kernel
   is missing (CPU, older torch) or fails its numerical self-check, the model loads with ``sdpa``
   instead, which is exact but slower.
@@ -58,21 +59,14 @@ logger = logging.getLogger(__name__)
 
 VARLEN_ATTENTION = "zerolab_varlen"
 """The name under which the varlen attention function is registered with transformers."""
-VARLEN_CUDNN_ATTENTION = "zerolab_varlen_cudnn"
-"""The same function with rows of one sample on cuDNN's attention (``model.varlen_kernel``)."""
 
 
 # --- varlen attention -----------------------------------------------------------------------------
 
 
-def resolve_attention(requested: str, device: torch.device | None = None, kernel: str = "auto") -> str:
+def resolve_attention(requested: str, device: torch.device | None = None) -> str:
     """The ``attn_implementation`` to load the model with: ``varlen`` becomes the registered varlen
-    function where it runs correctly on ``device`` (default: the current CUDA device), else ``sdpa``.
-    ``kernel`` (``model.varlen_kernel``) chooses the kernel of rows that hold one sample: ``cudnn`` or
-    ``auto``, SDPA's cuDNN backend where it passes the same self-check; ``flash`` (or where it fails),
-    SDPA's FlashAttention-2. Rows of several samples take FlashAttention-2's varlen kernel either way:
-    cuDNN's attention over packed (ragged) sequences gave wrong gradients in torch 2.11
-    (docs/benchmark.md#attention-kernels)."""
+    function where it runs correctly on ``device`` (default: the current CUDA device), else ``sdpa``."""
     if requested != "varlen":
         return requested
     reason = varlen_unavailable_reason(device)
@@ -81,14 +75,6 @@ def resolve_attention(requested: str, device: torch.device | None = None, kernel
         return "sdpa"
     from transformers import AttentionInterface
 
-    if kernel != "flash":
-        cudnn_reason = ("needs a CUDA device" if not torch.cuda.is_available() or (device is not None and device.type != "cuda")
-                        else _self_check(str(device or torch.device("cuda", torch.cuda.current_device())), _cudnn_call))
-        if cudnn_reason is None:
-            AttentionInterface.register(VARLEN_CUDNN_ATTENTION, functools.partial(varlen_attention_forward, cudnn=True))
-            return VARLEN_CUDNN_ATTENTION
-        log = logger.warning if kernel == "cudnn" else logger.info
-        log("model.varlen_kernel=%s: cuDNN's attention %s; using FlashAttention-2's", kernel, cudnn_reason)
     AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
     return VARLEN_ATTENTION
 
@@ -98,28 +84,26 @@ def varlen_unavailable_reason(device: torch.device | None = None) -> str | None:
     if not torch.cuda.is_available() or (device is not None and device.type != "cuda"):
         return "no CUDA device"
     device = device or torch.device("cuda", torch.cuda.current_device())
+    return _varlen_self_check(str(device))
+
+
+@functools.lru_cache(maxsize=4)
+def _varlen_self_check(device: str) -> str | None:
+    """Forward and backward of three packed causal sequences (GQA 4:2) against SDPA per sequence."""
     try:
         from torch.nn.attention import varlen  # noqa: F401
     except ImportError:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen"
-    reason = _self_check(str(device), _varlen_call)
-    return reason and f"the varlen kernel {reason}"
-
-
-@functools.lru_cache(maxsize=8)
-def _self_check(device: str, call: Any) -> str | None:
-    """Forward and backward of three packed causal sequences (GQA 4:2) through ``call`` against SDPA
-    per sequence; None where they agree, else why not."""
     gen = torch.Generator(device=device).manual_seed(0)
     lengths = [37, 64, 27]
     cu = torch.tensor([0, 37, 101, 128], dtype=torch.int32, device=device)
     q, k, v = (torch.randn(128, h, 64, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
                for h in (4, 2, 2))
     try:
-        out = call(q, k, v, cu, max(lengths), 64**-0.5)
+        out = _varlen_call(q, k, v, cu, max(lengths), 64**-0.5)
         out.float().square().sum().backward()
-    except (RuntimeError, TypeError, NotImplementedError, IndexError) as exc:
-        return f"failed its self-check ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        return f"the varlen kernel failed its self-check ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
     grads = q.grad.float().clone()
     ref_out, ref_grads = [], []
     for start, n in zip(cu[:-1].tolist(), lengths):
@@ -131,7 +115,7 @@ def _self_check(device: str, call: Any) -> str | None:
     err_out = (out.float() - torch.cat(ref_out)).norm() / torch.cat(ref_out).norm()
     err_grad = (grads - torch.cat(ref_grads)).norm() / torch.cat(ref_grads).norm()
     if not (err_out < 2e-2 and err_grad < 5e-2):  # bf16 operands land near 1e-3..1e-2
-        return f"disagrees with SDPA (relative error {err_out:.1e} forward, {err_grad:.1e} backward)"
+        return f"the varlen kernel disagrees with SDPA (relative error {err_out:.1e} forward, {err_grad:.1e} backward)"
     return None
 
 
@@ -153,25 +137,6 @@ def _varlen_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Te
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
 
 
-def _cudnn_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
-    """The self-check's call for cuDNN's attention: each sequence of the packed (T, heads, head_dim)
-    tensors as a row of its own through SDPA's cuDNN backend (GQA as it is), as
-    :func:`varlen_attention_forward` runs rows of one sample."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    outs = []
-    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
-        outs.append(out.squeeze(0).transpose(0, 1))
-    return torch.cat(outs)
-
-
-CUDNN_FIRST = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
-"""SDPA's backends in the order rows of one sample try them under ``model.varlen_kernel`` cudnn."""
-
-
 @functools.cache
 def _varlen_params() -> frozenset[str]:
     from torch.nn.attention.varlen import varlen_attn
@@ -181,14 +146,15 @@ def _varlen_params() -> frozenset[str]:
 
 def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                             cudnn: bool = False, **kwargs: Any) -> tuple[torch.Tensor, None]:
+                             **kwargs: Any) -> tuple[torch.Tensor, None]:
     """A transformers attention function. Packed micro-batches (``packed_cu_seqlens`` given) run the
     varlen kernel over the flattened B·S tokens, with the row width as the longest-sequence bound (a
     bound is enough and needs no device sync); so do padding-free batches in transformers' own
     format (``cu_seq_lens_q`` with ``max_length_q``, as TRL's collator makes them), with their
-    longest sample as the bound. Any other batch goes to SDPA, causal where it has no mask: packed
-    rows of one sample each, for which the batcher gives no boundaries (long rows), and with
-    ``cudnn`` (``model.varlen_kernel``, bound by :func:`resolve_attention`) cuDNN's attention first.
+    longest sample as the bound. Any other batch goes to SDPA: padded batches with their mask, and
+    packed rows that hold one sample each (long rows), for which the batcher gives no boundaries,
+    causal without a mask, where SDPA takes cuDNN's fused attention on Hopper GPUs (torch 2.11;
+    1.6-1.7× FlashAttention-2's varlen kernel on 32K-128K rows of an H200, docs/benchmark.md#attention-kernels).
     transformers builds no mask for this implementation, so those batches must be right-padded (as
     zerolab's are): with causal attention no real token then sees a padding token."""
     cu, bound = kwargs.get(CU_SEQLENS_KEY), None
@@ -197,11 +163,6 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if cu is None or dropout:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        if cudnn and attention_mask is None and not dropout:
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            with sdpa_kernel([getattr(SDPBackend, b) for b in CUDNN_FIRST], set_priority=True):
-                return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     b, heads, s, d = query.shape
     # (B, H, S, D) -> (B·S, H, D); the projections' outputs are laid out (B, S, H, D), so these are views.
@@ -593,7 +554,7 @@ def compile_layers(layers: list[torch.nn.Module], backend: Any = "inductor") -> 
     return len(layers)
 
 
-__all__ = ["CU_SEQLENS_KEY", "E4M3_MAX", "VARLEN_ATTENTION", "VARLEN_CUDNN_ATTENTION", "Fp8Weight", "apply_liger", "compile_layers",
+__all__ = ["CU_SEQLENS_KEY", "E4M3_MAX", "VARLEN_ATTENTION", "Fp8Weight", "apply_liger", "compile_layers",
            "fp8_eligible", "fp8_layers",
            "fp8_unavailable_reason", "fuse_lora", "liger_available", "packed_cu_seqlens", "quantize_rows", "resolve_attention",
            "use_fp8", "use_fused_loss", "use_liger", "varlen_attention_forward", "varlen_unavailable_reason"]

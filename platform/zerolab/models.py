@@ -277,7 +277,7 @@ def load_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | None 
             config=config,
             revision=spec.revision,
             dtype=dtype,
-            attn_implementation=resolve_attention(spec.attn_implementation, kernel=spec.varlen_kernel),
+            attn_implementation=resolve_attention(spec.attn_implementation),
             trust_remote_code=spec.trust_remote_code,
             **({"quantization_config": quantization} if quantization is not None else {}),
             **({"device_map": {"": str(device)}} if by_map else {}),
