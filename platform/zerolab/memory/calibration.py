@@ -46,6 +46,14 @@ class Calibration:
     reserved_factor_zero3: float = 1.049
     """The same under ZeRO-3, which gathers and frees every frozen weight each pass (measured
     1.04-1.06 with LoRA without parameter offload)."""
+    reserved_factor_zero3_split_or_4bit: float = 1.18
+    """ZeRO-3 without parameter offload where each row is split over GPUs (sequence parallelism) or the
+    base is 4-bit: the allocator kept 1.08-1.21 × the peak allocated reserved there (lease h200x4-65:
+    7B rows split over two H200s at 16K, 1.16, and 128K, 1.22 of the measured peak; 14B nf4 over two,
+    1.24), which no term of the estimate accounts for block by block yet. Fitted to those three runs:
+    the value whose estimates fall within −5% .. +8% of all three (1.15-1.23 of the estimated
+    peak), not checked on a run it was not fitted to. int8 under ZeRO-3 (1.047) and whole 7B rows
+    under ZeRO-3 (1.07 at four 4k rows) keep ``reserved_factor_zero3``."""
     reserved_param_offload_factor: float = 1.54
     """ZeRO-3 with parameter offload: the allocator keeps the buffers of the largest gathered
     parameter cached between its uses (its partition copied from the host and its gathered whole),

@@ -161,18 +161,21 @@ def build_estimate(job: EstimateContext) -> Estimate:
                          f"flash_attention_2 keeps attention memory linear in the row's length")
     if job.stage == 3 and job.n == 1 and not job.offload_param:
         job.notes.append("ZeRO-3 on one GPU partitions nothing: it holds what ZeRO-0 holds and adds gathering overhead")
+    cached = cached_blocks(job) if job.gpu else {}
     if job.gpu and job.stage == 3 and not job.offload_param and (job.sp > 1 or job.quantization in FOUR_BIT):
-        # Measured (docs/memory.md, lease h200x4-65): 7B rows split over two GPUs at 16K and 128K, 14B on nf4; not modelled.
-        job.notes.append("ZeRO-3 with " + ("each row split over GPUs" if job.sp > 1 else "a 4-bit base")
-                         + ": the allocator has kept 9-15% more reserved than this estimate on such runs (docs/memory.md); "
-                         "leave that room beyond the margin")
+        # Measured, not derived (docs/memory.md, lease h200x4-65): 7B rows split over two GPUs at 16K and 128K, 14B on nf4.
+        what = "each row split over GPUs" if job.sp > 1 else "a 4-bit base"
+        cached[f"ZeRO-3 with {what}: the allocator's cache (measured)"] = int(
+            (job.cal.reserved_factor_zero3_split_or_4bit - 1) * max(phases.values()))
+        job.notes.append(f"ZeRO-3 with {what}: the reserved figure counts the allocator's cache as measured on such runs "
+                         f"({job.cal.reserved_factor_zero3_split_or_4bit:.2f} × the peak allocated, fitted to three runs; docs/memory.md)")
     return Estimate(
         option=job.option, shape=job.shape, world_size=job.n, use_gpu=job.gpu, precision=job.cfg.precision(),
         micro_batch_size=job.batch.micro_batch.rows, seq_len=job.seq_len,
         gradient_checkpointing=job.cfg.model.gradient_checkpointing, total_params=job.P - sum(
             p.total for p in job.inv if p.adapter and not p.trainable), trainable_params=job.T,
         device=components, device_phases=phases, device_outside_allocator=outside,
-        device_cached=cached_blocks(job) if job.gpu else {}, host_worker=host_worker,
+        device_cached=cached, host_worker=host_worker,
         host_worker_phases=host_phases, host_other_worker_phases=host_other, host_node=host_node, calibration=job.cal, notes=tuple(job.notes),
         batch=job.batch,
     )
