@@ -43,6 +43,20 @@ def model_for(request: pytest.FixtureRequest, device: str, **spec: object) -> tu
     return ModelSpec(name_or_path=request.getfixturevalue("gpu_model_path"), **spec), torch.bfloat16
 
 
+def varlen_model(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, device: str) -> tuple[torch.nn.Module, torch.dtype]:
+    """The model for ``device`` with varlen attention (on CPU through the stand-in kernel), in eval mode:
+    no dropout; gradients flow all the same."""
+    if device == "cpu":
+        monkeypatch.setattr(kernels, "varlen_unavailable_reason", lambda device=None: None)
+        monkeypatch.setattr(kernels, "_varlen_call", reference_varlen)
+    spec, dtype = model_for(request, device, attn_implementation="varlen")
+    torch.manual_seed(0)
+    model = load_model(spec, dtype).to(device).eval()
+    assert model.config._attn_implementation == kernels.VARLEN_ATTENTION
+    model.config.use_cache = False
+    return model, dtype
+
+
 def on(inputs: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
     return {k: v.to(device) for k, v in inputs.items()}
 
@@ -93,16 +107,9 @@ def test_cu_seqlens_mark_every_sample_and_each_rows_padding():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_varlen_attention_gives_the_padded_loss_and_gradients(request, monkeypatch, device):
-    if device == "cpu":
-        monkeypatch.setattr(kernels, "varlen_unavailable_reason", lambda device=None: None)
-        monkeypatch.setattr(kernels, "_varlen_call", reference_varlen)
-    else:
+    if device == "cuda":
         assert kernels.varlen_unavailable_reason(torch.device(device)) is None
-    spec, dtype = model_for(request, device, attn_implementation="varlen")
-    torch.manual_seed(0)
-    model = load_model(spec, dtype).to(device).eval()  # eval: no dropout; gradients flow all the same
-    assert model.config._attn_implementation == kernels.VARLEN_ATTENTION
-    model.config.use_cache = False
+    model, dtype = varlen_model(request, monkeypatch, device)
     rows = rows_of([12, 25, 9, 30, 17, 21], seed=1)
     padded = MicroBatches(rows, micro_batch_size=6, max_seq_length=64, packing=False, pad_id=0, seed=0).sequential()[0]
     packed = MicroBatches(rows, micro_batch_size=6, max_seq_length=64, packing=True, pad_id=0, seed=0).sequential()[0]
@@ -121,13 +128,7 @@ def test_varlen_attention_takes_padding_free_batches_in_transformers_format(requ
     """TRL's padding-free batches (one flattened row, ``cu_seq_lens_q`` and ``max_length_q``: the
     benchmark registers zerolab's function for TRL) give the packed batch's loss and gradients, with
     their longest sample, not the flattened row, as the kernel's bound."""
-    if device == "cpu":
-        monkeypatch.setattr(kernels, "varlen_unavailable_reason", lambda device=None: None)
-        monkeypatch.setattr(kernels, "_varlen_call", reference_varlen)
-    spec, dtype = model_for(request, device, attn_implementation="varlen")
-    torch.manual_seed(0)
-    model = load_model(spec, dtype).to(device).eval()
-    model.config.use_cache = False
+    model, dtype = varlen_model(request, monkeypatch, device)
     rows = rows_of([12, 25, 9, 30, 17, 21], seed=1)
     packed = MicroBatches(rows, micro_batch_size=6, max_seq_length=64, packing=True, pad_id=0, seed=0).sequential()[0]
     expected = loss_and_grads(model, on(packed.inputs, device), num_items_in_batch=packed.num_targets)
@@ -148,14 +149,7 @@ def test_rows_of_one_sample_take_causal_attention_without_boundaries(request, mo
     """Packed rows that hold one sample each (long rows) carry no boundaries: causal SDPA over the
     right-padded rows gives the padded batch's loss and gradients, without the varlen kernel (on
     a Hopper GPU through cuDNN's attention, which SDPA tries first there)."""
-    if device == "cpu":
-        monkeypatch.setattr(kernels, "varlen_unavailable_reason", lambda device=None: None)
-        monkeypatch.setattr(kernels, "_varlen_call", reference_varlen)
-    spec, dtype = model_for(request, device, attn_implementation="varlen")
-    torch.manual_seed(0)
-    model = load_model(spec, dtype).to(device).eval()
-    model.config.use_cache = False
-    assert model.config._attn_implementation == kernels.VARLEN_ATTENTION
+    model, dtype = varlen_model(request, monkeypatch, device)
     rows = rows_of([40, 52, 33], seed=2)  # no two fit one row of 64
     padded = MicroBatches(rows, micro_batch_size=3, max_seq_length=64, packing=False, pad_id=0, seed=0).sequential()[0]
     packed = MicroBatches(rows, micro_batch_size=3, max_seq_length=64, packing=True, pad_id=0, seed=0).sequential()[0]
