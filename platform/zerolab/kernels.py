@@ -5,8 +5,9 @@
   packed sample from the per-sample boundaries the batcher computes (``packed_cu_seqlens``), so
   packed samples never attend to each other and no block of the S×S score matrix outside a
   sample is computed. Rows of one sample each (long rows) need no boundaries and take SDPA's
-  causal attention, cuDNN's kernel on Hopper GPUs, which is faster there. SDPA with the block-diagonal mask that transformers builds from position
-  ids computes every block, and on GPUs takes the slower memory-efficient kernel. Where the kernel
+  causal attention, cuDNN's kernel on Hopper GPUs, which is faster there. SDPA with the
+  block-diagonal mask that transformers builds from position ids computes every block, and on
+  GPUs takes the slower memory-efficient kernel. Where the kernel
   is missing (CPU, older torch) or fails its numerical self-check, the model loads with ``sdpa``
   instead, which is exact but slower.
 - Liger Kernel (``model.kernels``): Triton kernels for RMSNorm, SwiGLU and RoPE, and the fused

@@ -48,7 +48,7 @@ class Calibration:
     1.04-1.06 with LoRA without parameter offload)."""
     reserved_factor_zero3_split_or_4bit: float = 1.18
     """ZeRO-3 without parameter offload where each row is split over GPUs (sequence parallelism) or the
-    base is 4-bit: the allocator kept 1.08-1.21 × the peak allocated reserved there (lease h200x4-65:
+    base is 4-bit: the allocator kept 1.16-1.24 × the peak allocated reserved there (lease h200x4-65:
     7B rows split over two H200s at 16K, 1.16, and 128K, 1.22 of the measured peak; 14B nf4 over two,
     1.24), which no term of the estimate accounts for block by block yet. Fitted to those three runs:
     the value whose estimates fall within −5% .. +8% of all three (1.15-1.23 of the estimated
