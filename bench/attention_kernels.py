@@ -1,9 +1,9 @@
 """Causal attention kernels on one GPU, forward and backward, at the shapes zerolab trains: the
 varlen FlashAttention-2 kernel zerolab runs on rows of several samples (``torch.nn.attention.varlen``),
-and SDPA's FlashAttention and cuDNN backends on rows of one sample (with GQA's fewer K/V heads as
-they are, and repeated to the query heads). Prints TFLOP/s (causal
-FLOPs: forward 2·2·S²/2·H·D per sequence, backward 2.5× that) and each kernel's relative error
-against the varlen kernel's output and gradients.
+and SDPA's FlashAttention and cuDNN backends on rows of one sample (GQA's fewer K/V heads as they
+are, and repeated to the query heads). Prints TFLOP/s (causal FLOPs: forward 2·2·S²/2·H·D per
+sequence, backward 2.5× that), the memory each holds above its inputs, and each kernel's relative
+error against the varlen kernel's output and gradients.
 
     python bench/attention_kernels.py --out attention.md
 """
