@@ -2,8 +2,10 @@
 # Build .whl-bench/: the wheels the benchmark's `trl` system (TRL's SFTTrainer, bench/trl_sft.py)
 # needs on the GPU hosts beyond their image and the project's GPU kit (.whl/, built by
 # ../shared/gpu/prepare_wheels.sh): TRL, datasets, and datasets' dill and multiprocess, for
-# CPython 3.12, without their dependencies (every other one is on the image: checked below).
-# About 1.8 MB, beside the kit's ~56-60 MiB of the 64 MiB that may travel.
+# CPython 3.12, without their dependencies (every other one is on the image: checked below); and
+# py-spy, the sampling profiler that shows which of a running job's threads hold the GIL
+# (`py-spy record --pid PID --threads --gil`), where a host-bound step loses time outside its own
+# loop. About 4.7 MB, beside the kit's ~56-60 MiB of the 64 MiB that may travel.
 #
 # Run it once, from the root of your checkout:   bash bench/prepare_peer_wheels.sh
 # Then, on the GPU machine, after `source shared_gpu_env.sh`:   source .whl-bench/env.sh
@@ -13,9 +15,10 @@ out=.whl-bench
 # The versions the `bench` extra of pyproject.toml resolves to with transformers 5.17 and peft 0.21.
 TRL_VERSION=${TRL_VERSION:-1.16.0}
 wheels=("trl==$TRL_VERSION" "datasets==${DATASETS_VERSION:-5.2.0}" "dill==${DILL_VERSION:-0.4.1}"
-        "multiprocess==${MULTIPROCESS_VERSION:-0.70.19}")
+        "multiprocess==${MULTIPROCESS_VERSION:-0.70.19}" "py-spy==${PY_SPY_VERSION:-0.4.3}")
 plat=(--python-version 3.12 --implementation cp --only-binary=:all:
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+      --platform manylinux_2_5_x86_64)
 
 rm -rf "$out"; mkdir -p "$out"
 python3 -m pip download -q --no-deps "${plat[@]}" -d "$out" "${wheels[@]}"
@@ -47,6 +50,7 @@ cat > "$out/env.sh" <<'SH'
 # Byte-compiled at install, as on a user's machine: TRL's start-up figures depend on it.
 python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site-bench .whl-bench/*.whl >/tmp/pip-bench.log 2>&1 || { tail -20 /tmp/pip-bench.log; return 1 2>/dev/null || exit 1; }
 export PYTHONPATH=/tmp/site-bench${PYTHONPATH:+:$PYTHONPATH}
+export PATH=/tmp/site-bench/bin:$PATH
 SH
 du -sh "$out"; ls "$out"
 echo "carry: .whl, .whl-bench and shared_gpu_env.sh; begin each command with: source shared_gpu_env.sh && source .whl-bench/env.sh"
