@@ -51,7 +51,7 @@ class ModelSpec:
     revision: str | None = None
     """Hub revision (branch, tag or commit) when `name_or_path` is a hub id."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "varlen"] = "sdpa"
-    """Attention kernel; `varlen`: PyTorch's FlashAttention varlen kernel on packed batches (GPU; elsewhere `sdpa`); `flash_attention_2` needs the flash-attn package."""
+    """Attention kernel; `varlen`: PyTorch's FlashAttention varlen kernel on packed batches, and causal SDPA (cuDNN's kernel on Hopper GPUs) where each packed row holds one sample (GPU; elsewhere `sdpa`); `flash_attention_2` needs the flash-attn package."""
     kernels: Literal["auto", "liger", "none"] = "auto"
     """Fused kernels: Liger Kernel's Triton RMSNorm, SwiGLU, RoPE and linear + cross-entropy (`auto`: on GPU where the package is installed; `liger`: required) and LoRA's scale+add fused into one matrix product (any device, ZeRO 0-2); `none`: Hugging Face's and peft's own modules."""
     gradient_checkpointing: bool = False
