@@ -366,6 +366,16 @@ SUITES: dict[str, list[Run]] = {
             overrides=("model.quantization=nf4",)),
         Run("trl", "qwen2.5-7b", steps=12, window=6, checkpointing=True, attn="auto", variant=f"nf4-mb1-ckpt-rep{rep}", timeout_s=300,
             overrides=("model.quantization=nf4",)))],
+    # The held-out check of the estimate's ZeRO-3 cache with split rows or a 4-bit base
+    # (Calibration.reserved_factor_zero3_split_or_4bit, fitted to 14B nf4 and 7B rows of 16K and 128K
+    # split over two GPUs): shapes and lengths it was not fitted to, over two GPUs.
+    "zero3-cache-heldout": [
+        Run("zerolab", "qwen2.5-7b", gpus=2, stage=3, steps=8, window=4, checkpointing=True, variant="nf4-mb1-ckpt", timeout_s=420,
+            overrides=("model.quantization=nf4",)),
+        Run("zerolab", "qwen2.5-7b", gpus=2, stage=3, row_tokens=32768, steps=4, window=2, checkpointing=True, variant="sp2-rows32k-ckpt",
+            timeout_s=420, overrides=("scaling.sequence_parallel_size=2",)),
+        Run("zerolab", "qwen2.5-0.5b", gpus=2, stage=3, micro_batch=2, steps=8, window=4, variant="nf4-mb2", timeout_s=300,
+            overrides=("model.quantization=nf4",))],
     # Long rows on one GPU (docs/memory.md#long-rows): see _suite_long_rows_7b.
     "long-rows-7b": _suite_long_rows_7b(),
     # The 0.5B shape at 64K-token rows: as they fit without checkpointing, and with the tiled MLP.
