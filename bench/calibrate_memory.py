@@ -608,9 +608,10 @@ def fit_calibration(rows: list[dict[str, str]]) -> dict[str, float]:
     """Fit the stack-dependent constants to the measured rows. ``framework_device_bytes`` moves
     every GPU prediction by the same amount: its fit is the current value plus the median residual.
     Reserved memory is the allocated peak plus the larger of a share of it and the largest block
-    the estimate expects cached (``zerolab.memory.terms.cached_blocks``): ``reserved_factor``
-    (ZeRO 0-2) and ``reserved_factor_zero3`` (without parameter offload) are the medians of measured
-    reserved / allocated over the rows where the share is the larger; ``reserved_param_offload_factor``
+    the estimate expects cached (``zerolab.memory.terms.cached_blocks``): the share's constant
+    (``zerolab.memory.terms.reserved_share``: ``reserved_factor`` at ZeRO 0-2, ``reserved_factor_zero3``,
+    ``reserved_factor_zero3_split_or_4bit``) is the median of measured reserved / allocated over the
+    rows without parameter offload where the estimate takes that constant and the share is the larger; ``reserved_param_offload_factor``
     the median of measured (reserved − allocated) / the largest gathered parameter's bytes over the
     rows with parameter offload where those buffers are the largest cached block. On GPU what a
     worker holds before a lazy load (``host_gpu_before_load_bytes``) is the smallest value that
@@ -627,11 +628,13 @@ def fit_calibration(rows: list[dict[str, str]]) -> dict[str, float]:
             float(r["meas_gpu_alloc_gib"]) - float(r["pred_gpu_alloc_gib"]) + float(r["base_framework_gib"]) for r in gpu)) * 1024**3
         cal = DEFAULT_CALIBRATION
         with_overrides = [r for r in gpu if r.get("overrides")]
-        by_share = [r for r in with_overrides if not _param_offload(r) and _decided_by_share(r)]
-        for key, rows_of_key in (("reserved_factor", [r for r in by_share if not _zero3(r)]),
-                                 ("reserved_factor_zero3", [r for r in by_share if _zero3(r)])):
-            if rows_of_key:
-                fitted[key] = statistics.median(float(r["meas_gpu_reserved_gib"]) / float(r["meas_gpu_alloc_gib"]) for r in rows_of_key)
+        by_share: dict[str, list[dict[str, str]]] = {}
+        for r in with_overrides:
+            est = _estimate_of(r)
+            if not _param_offload(r) and est.device_peak * (est.reserved_factor - 1) >= max(est.device_cached.values(), default=0):
+                by_share.setdefault(est.reserved_share, []).append(r)
+        for key, rows_of_key in by_share.items():
+            fitted[key] = statistics.median(float(r["meas_gpu_reserved_gib"]) / float(r["meas_gpu_alloc_gib"]) for r in rows_of_key)
         ratios = []
         for r in with_overrides:
             if not (_zero3(r) and _param_offload(r)):
@@ -659,15 +662,6 @@ def _estimate_of(row: dict[str, str], calibration: Any = None) -> Any:
 
     return estimate(load_config(None, estimate_overrides(json.loads(row["overrides"]))), shape_model_config(row["shape"]),
                     calibration=calibration or DEFAULT_CALIBRATION)
-
-
-def _decided_by_share(row: dict[str, str]) -> bool:
-    """Whether the estimate puts ``row``'s reserved memory down to a share of its peak rather than
-    to one large cached block."""
-    est = _estimate_of(row)
-    cal = est.calibration
-    factor = cal.reserved_factor if est.option.stage < 3 else cal.reserved_factor_zero3
-    return est.device_peak * (factor - 1) >= max(est.device_cached.values(), default=0)
 
 
 def _zero3(row: dict[str, str]) -> bool:

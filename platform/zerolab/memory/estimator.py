@@ -41,10 +41,10 @@ from zerolab.memory.terms import (
     offload_gradient_buffer,
     optimizer_states,
     quantized_load,
+    reserved_share,
     weights,
 )
 from zerolab.memory.units import GIB
-from zerolab.quantization import FOUR_BIT
 from zerolab.zero import Option
 
 
@@ -161,12 +161,9 @@ def build_estimate(job: EstimateContext) -> Estimate:
                          f"flash_attention_2 keeps attention memory linear in the row's length")
     if job.stage == 3 and job.n == 1 and not job.offload_param:
         job.notes.append("ZeRO-3 on one GPU partitions nothing: it holds what ZeRO-0 holds and adds gathering overhead")
-    cached = cached_blocks(job) if job.gpu else {}
-    if job.gpu and job.stage == 3 and not job.offload_param and (job.sp > 1 or job.quantization in FOUR_BIT):
-        # Measured, not derived (docs/memory.md, lease h200x4-65): 7B rows split over two GPUs at 16K and 128K, 14B on nf4.
+    share = reserved_share(job)
+    if job.gpu and share == "reserved_factor_zero3_split_or_4bit":
         what = "each row split over GPUs" if job.sp > 1 else "a 4-bit base"
-        cached[f"ZeRO-3 with {what}: the allocator's cache (measured)"] = int(
-            (job.cal.reserved_factor_zero3_split_or_4bit - 1) * max(phases.values()))
         job.notes.append(f"ZeRO-3 with {what}: the reserved figure counts the allocator's cache as measured on such runs "
                          f"({job.cal.reserved_factor_zero3_split_or_4bit:.2f} × the peak allocated, fitted to three runs; docs/memory.md)")
     return Estimate(
@@ -175,7 +172,7 @@ def build_estimate(job: EstimateContext) -> Estimate:
         gradient_checkpointing=job.cfg.model.gradient_checkpointing, total_params=job.P - sum(
             p.total for p in job.inv if p.adapter and not p.trainable), trainable_params=job.T,
         device=components, device_phases=phases, device_outside_allocator=outside,
-        device_cached=cached, host_worker=host_worker,
+        device_cached=cached_blocks(job) if job.gpu else {}, reserved_share=share, host_worker=host_worker,
         host_worker_phases=host_phases, host_other_worker_phases=host_other, host_node=host_node, calibration=job.cal, notes=tuple(job.notes),
         batch=job.batch,
     )

@@ -86,6 +86,9 @@ class Estimate:
     device_cached: dict[str, int]
     """Large blocks each step frees and allocates again, of which the allocator keeps the largest
     cached beside the peak (``zerolab.memory.terms.cached_blocks``)."""
+    reserved_share: str
+    """The Calibration constant for the share of the peak the allocator keeps cached otherwise
+    (``zerolab.memory.terms.reserved_share``)."""
     host_worker: dict[str, int]
     """Per worker process (``checkpoint save`` on rank 0 only)."""
     host_worker_phases: dict[str, int]
@@ -121,9 +124,11 @@ class Estimate:
         # (the churn of many activation-sized blocks, LoRA's case) and one large block freed and
         # allocated again each step, cached where it no longer fits (full fine-tuning's logits and
         # gradient copies, parameter offload's gather buffers).
-        cal = self.calibration
-        factor = cal.reserved_factor if self.option.stage < 3 else cal.reserved_factor_zero3
-        return self.device_peak + max(int(self.device_peak * (factor - 1)), max(self.device_cached.values(), default=0))
+        return self.device_peak + max(int(self.device_peak * (self.reserved_factor - 1)), max(self.device_cached.values(), default=0))
+
+    @property
+    def reserved_factor(self) -> float:
+        return getattr(self.calibration, self.reserved_share)
 
     @property
     def device_total(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from zerolab.memory.context import EstimateContext
 from zerolab.memory.shapes import PROJECTIONS
-from zerolab.quantization import INT8_HELD_BYTES_PER_WEIGHT, bytes_per_row, bytes_per_weight
+from zerolab.quantization import FOUR_BIT, INT8_HELD_BYTES_PER_WEIGHT, bytes_per_row, bytes_per_weight
 
 
 def weights(job: EstimateContext) -> int:
@@ -397,6 +397,18 @@ def gradient_norm_copy(job: EstimateContext) -> int:
 def largest_gathered(job: EstimateContext) -> int:
     """ZeRO-3: the largest parameter gathered whole, e·numel (the embeddings, or an untied head)."""
     return job.e * max((p.numel for p in job.inv if not job.persistent(p)), default=0)
+
+
+def reserved_share(job: EstimateContext) -> str:
+    """The :class:`~zerolab.memory.calibration.Calibration` constant that gives peak reserved / peak
+    allocated where the churn of many blocks decides it (:attr:`~zerolab.memory.options.Estimate.device_reserved`):
+    ZeRO 0-2's, ZeRO-3's, or ZeRO-3's with each row split over GPUs or a 4-bit base (measured, not
+    derived: the allocator kept more cached there, lease h200x4-65)."""
+    if job.stage < 3:
+        return "reserved_factor"
+    if not job.offload_param and (job.sp > 1 or job.quantization in FOUR_BIT):
+        return "reserved_factor_zero3_split_or_4bit"
+    return "reserved_factor_zero3"
 
 
 def cached_blocks(job: EstimateContext) -> dict[str, int]:
