@@ -8,6 +8,7 @@ are non-padding tokens; they may be device tensors (summed at the end, without s
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import resource
@@ -26,6 +27,7 @@ class StepMeter:
         self.first_step_unix: float | None = None
         self._t0 = time.perf_counter()
         self.cpu_times: list[float] = []
+        self.gc = GcClock()
 
     def step_done(self, tokens: int | torch.Tensor) -> None:
         """Call once per optimizer step, after ``optimizer.step()`` was issued."""
@@ -52,11 +54,36 @@ class StepMeter:
         tokens = sum(float(t) for t in self.tokens[n - window:])
         out = {"tokens_per_s": tokens / elapsed, "step_s": elapsed / window, "tokens_per_step": tokens / window,
                "steps": n, "window": window, "first_step_unix": self.first_step_unix or 0.0,
-               "host_rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1024**3}
+               "host_rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1024**3,
+               "gc": self.gc.summary(self.first_step_unix or 0.0)}
         if self.device.type == "cuda":
             out["gpu_peak_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 1024**3
             out["gpu_peak_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 1024**3
         return out
+
+
+class GcClock:
+    """Python's garbage collections in this process, from now on: when, which generation, how long
+    (a host-bound step pays for every collection; a process holding many objects pays more for each)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, int, float]] = []
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.events.append((time.time(), info["generation"], time.perf_counter() - self._started))
+
+    def summary(self, since_unix: float) -> dict[str, Any]:
+        """Collections after ``since_unix`` (the first step's end): counts and seconds per generation, and
+        the objects the collector tracks now."""
+        after = [(g, s) for t, g, s in self.events if t >= since_unix]
+        return {"gc_collections": {g: sum(1 for gen, _ in after if gen == g) for g in (0, 1, 2)},
+                "gc_s": {g: round(sum(s for gen, s in after if gen == g), 4) for g in (0, 1, 2)},
+                "gc_tracked_objects": len(gc.get_objects())}
 
 
 def write_rank_result(path: str | Path, result: dict[str, Any]) -> None:

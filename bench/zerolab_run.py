@@ -27,13 +27,17 @@ def main(argv: list[str] | None = None) -> int:
     # The driver's steps with their times, for the time to first step (the workers log their own).
     logging.basicConfig(level=logging.INFO, format="%(asctime)s.%(msecs)03d %(name)s %(message)s", datefmt="%H:%M:%S")
 
+    from bench.measure import GcClock
+
     from zerolab.config import load_config
     from zerolab.run import run_sft
     from zerolab.warm import run_sft_warm, wanted
 
+    gc_clock = GcClock()  # counts the steps' collections where they run in this process (one worker, in the driver)
     cfg = load_config(None, args.set)
     result = (run_sft_warm if wanted(cfg) else run_sft)(cfg, restart=True)  # a fresh run, never a resumed one
-    args.out.write_text(json.dumps({"metrics": result.metrics, "data": result.data}, indent=1, default=str))
+    gc_seen = gc_clock.summary(result.metrics.get("perf/first_step_unix") or 0.0)
+    args.out.write_text(json.dumps({"metrics": result.metrics, "data": result.data, "gc": gc_seen}, indent=1, default=str))
     return 0
 
 

@@ -470,3 +470,17 @@ def test_a_cpu_process_group_builds_no_inference_only_deepspeed_op(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert not list(extensions.rglob("*shm*"))
+
+
+def test_the_steps_run_with_the_objects_made_before_them_frozen():
+    """A full garbage collection during the steps walks only what the steps made (perf.frozen_heap)."""
+    import gc
+
+    from zerolab import perf
+
+    made_before = [[i] for i in range(5000)]
+    with perf.frozen_heap():
+        assert gc.get_freeze_count() >= len(made_before)
+        assert not any(x is made_before for x in gc.get_objects())  # frozen: out of every generation
+    assert gc.get_freeze_count() == 0
+    assert any(x is made_before for x in gc.get_objects())

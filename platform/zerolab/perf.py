@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import resource
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -80,3 +82,16 @@ def reset_memory_peaks(device: torch.device) -> None:
         refs.write("5")  # resets VmHWM to the current RSS
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+
+
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """The training steps with every Python object made before them (imports, model, engine: 0.6-0.8
+    million in a 7B job) out of the cyclic garbage collector's reach (``gc.freeze``): a full collection
+    would walk them all, 0.29 s inside one measured window of a host-bound 7B QLoRA step of 0.6 s
+    (h200x2-71). Reference counting still frees them; cycles among them wait for the end of the steps."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

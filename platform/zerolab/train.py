@@ -154,7 +154,7 @@ def _loop(s: _Setup, stream: Iterator[Batch], start_step: int) -> None:
     eval_rows = functools.cache(lambda: s.place.rows("eval"))  # read at the first checkpoint, off the way to the first step
     first_step = _FirstStepClock(s.device)
 
-    with contextlib.ExitStack() as after_first_step:
+    with contextlib.ExitStack() as after_first_step, perf.frozen_heap():
         engine.train()
         for step in range(start_step, s.total_steps):
             micro: list[Batch] = [next(stream) for _ in range(cfg.train.grad_accum_steps)]
