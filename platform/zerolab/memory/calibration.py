@@ -52,7 +52,9 @@ class Calibration:
     7B rows split over two H200s at 16K, 1.16, and 128K, 1.22 of the measured peak; 14B nf4 over two,
     1.24), which no term of the estimate accounts for block by block yet. Fitted to those three runs:
     the value whose estimates fall within −5% .. +8% of all three (1.15-1.23 of the estimated
-    peak), not checked on a run it was not fitted to. int8 under ZeRO-3 (1.047) and whole 7B rows
+    peak). Held out (h200x2-72, two H200s each): 7B nf4 one row +4.3%, 0.5B nf4 two rows without
+    checkpointing +15.1% (the allocator kept 1.03 × the peak), 7B rows split at 32K −9.0% (1.30):
+    one share does not describe that cache. int8 under ZeRO-3 (1.047) and whole 7B rows
     under ZeRO-3 (1.07 at four 4k rows) keep ``reserved_factor_zero3``."""
     reserved_param_offload_factor: float = 1.54
     """ZeRO-3 with parameter offload: the allocator keeps the buffers of the largest gathered

@@ -165,7 +165,8 @@ def build_estimate(job: EstimateContext) -> Estimate:
     if job.gpu and share == "reserved_factor_zero3_split_or_4bit":
         what = "each row split over GPUs" if job.sp > 1 else "a 4-bit base"
         job.notes.append(f"ZeRO-3 with {what}: the reserved figure counts the allocator's cache as measured on such runs "
-                         f"({job.cal.reserved_factor_zero3_split_or_4bit:.2f} × the peak allocated, fitted to three runs; docs/memory.md)")
+                         f"({job.cal.reserved_factor_zero3_split_or_4bit:.2f} × the peak allocated, fitted to three runs; three others "
+                         f"reserved 9% more to 15% less than so estimated: docs/memory.md)")
     return Estimate(
         option=job.option, shape=job.shape, world_size=job.n, use_gpu=job.gpu, precision=job.cfg.precision(),
         micro_batch_size=job.batch.micro_batch.rows, seq_len=job.seq_len,
