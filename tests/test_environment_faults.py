@@ -292,3 +292,43 @@ def test_the_job_adds_the_flags_of_a_user_errors_remedies():
                                                "resume it on the new data knowingly.\n  --restart starts the run over, discarding "
                                                "its checkpoints\n  --accept-changed-data resumes the run on the changed data")
     assert "--restart" not in run_job(job)[1]  # a job without the flag offers none
+
+
+# --- the Ray cluster ----------------------------------------------------------------------------
+
+@pytest.mark.ray
+def test_a_ray_head_that_stops_answering_ends_the_preflight_with_a_message(tmp_path):
+    """The launch's resource check against a real local Ray whose GCS process is stopped (SIGSTOP):
+    Ray's client would wait for ever, in native code no signal interrupts; the check ends at its
+    deadline with a message naming the cluster."""
+    script = tmp_path / "stopped_gcs.py"
+    script.write_text(f'''
+import sys, time
+sys.path[:0] = [{str(REPO)!r}, {str(REPO / "platform")!r}]
+import psutil, ray
+from zerolab import cluster
+from zerolab.config import load_config
+from zerolab.errors import EnvironmentProblem
+from zerolab.plan import check_resources
+cluster.CLUSTER_ANSWER_S = 3.0
+ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
+gcs = [p for p in psutil.Process().children(recursive=True) if p.name() == "gcs_server"]
+assert gcs, "no gcs_server process under this driver"
+for p in gcs:
+    p.suspend()
+started = time.monotonic()
+try:
+    check_resources(load_config(None, ["scaling.use_gpu=false", "scaling.num_workers=1"]), "workers")
+    print("ANSWERED")
+except EnvironmentProblem as exc:
+    print(f"REFUSED after {{time.monotonic() - started:.1f}} s: {{exc}}")
+finally:
+    for p in gcs:
+        p.resume()
+    ray.shutdown()
+''')
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    line = next((x for x in out.stdout.splitlines() if x.startswith(("REFUSED", "ANSWERED"))), out.stdout + out.stderr[-2000:])
+    assert line.startswith("REFUSED"), line
+    assert float(line.split()[2]) < 10, line
+    assert "did not answer within 3 s when asked for its resources" in line and "local Ray instance" in line, line

@@ -14,9 +14,9 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import zerolab
 from zerolab.config import SFTConfig
@@ -42,6 +42,41 @@ PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 
 TRAIN_POLL_S = "0.5"
 """How often Ray Train's controller polls the workers (``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``)."""
+
+CLUSTER_ANSWER_S = 60.0
+"""How long the job waits for the Ray cluster to answer one question about itself (:func:`ask_cluster`)."""
+
+T = TypeVar("T")
+
+
+def ask_cluster(question: Callable[[], T], what: str, timeout_s: float | None = None) -> T:
+    """``question()``, a query of Ray's cluster state (``ray.cluster_resources``, ``ray.nodes``), with a
+    deadline. Ray's client waits for its GCS without one, in native code that no signal interrupts: a
+    head node that stopped answering would hold the job, and its Ctrl-C, for ever. Asked from a thread,
+    the wait ends at the deadline (or at Ctrl-C) with a message instead."""
+    answer: list[tuple[bool, Any]] = []
+
+    def ask() -> None:
+        try:
+            answer.append((True, question()))
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            answer.append((False, exc))
+
+    thread = threading.Thread(target=ask, name=f"zerolab-ask-{what.replace(' ', '-')}", daemon=True)
+    timeout_s = CLUSTER_ANSWER_S if timeout_s is None else timeout_s
+    thread.start()
+    thread.join(timeout_s)
+    if not answer:
+        address = os.environ.get("RAY_ADDRESS")
+        fix = ("`ray status` shows its state; restart its head node, or unset RAY_ADDRESS to run on a local Ray instance, then relaunch"
+               if address else "this machine may be short of memory or CPU for Ray's own processes; free some and relaunch")
+        raise EnvironmentProblem(f"the Ray cluster ({f'RAY_ADDRESS={address}' if address else 'the local Ray instance this job started'}) "
+                                 f"did not answer within {timeout_s:g} s when asked for {what}: its head node's GCS is down, "
+                                 f"restarting or overloaded. {fix}.")
+    ok, value = answer[0]
+    if not ok:
+        raise value
+    return value
 
 
 def quiet_ray_data_logging() -> None:
@@ -238,7 +273,7 @@ def resolve_launch(cfg: SFTConfig) -> str:
             return "workers"
     if s.use_gpu:
         node = ray.get_runtime_context().get_node_id()
-        gpus = next((n["Resources"].get("GPU", 0) for n in ray.nodes() if n["NodeID"] == node), 0)
+        gpus = next((n["Resources"].get("GPU", 0) for n in ask_cluster(ray.nodes, "its nodes") if n["NodeID"] == node), 0)
         if gpus < 1:
             if s.launch == "auto":
                 return "workers"

@@ -14,7 +14,7 @@ from typing import Any
 
 from zerolab import ds_config, memory, quantization, tracking
 from zerolab.clock import StartupClock
-from zerolab.cluster import connect_ray, reserved_resources, resolve_launch
+from zerolab.cluster import CLUSTER_ANSWER_S, ask_cluster, connect_ray, reserved_resources, resolve_launch
 from zerolab.config import ConfigError, SFTConfig
 from zerolab.data import (
     DataError,
@@ -105,7 +105,7 @@ def check_resources(cfg: SFTConfig, launch: str) -> None:
             raise EnvironmentProblem("scaling.use_gpu=true but this machine has no CUDA GPU that this process can see; run on a "
                                      "GPU machine, or set scaling.use_gpu=false to train on CPUs.")
         return
-    resources = ray.cluster_resources()
+    resources = ask_cluster(ray.cluster_resources, "its resources")
     held = {k: v for k, v in reserved_resources().items() if k in ("CPU", "GPU") and v} if launch == "workers" else {}
     note = ""
     if held:
@@ -252,11 +252,17 @@ def cluster_limits(cfg: SFTConfig) -> Any:
     def detect() -> Limits:
         return Limits.detect_with_nvml()
 
-    nodes = [n for n in ray.nodes() if n["Alive"] and (not cfg.scaling.use_gpu or n["Resources"].get("GPU", 0) > 0)
+    nodes = [n for n in ask_cluster(ray.nodes, "its nodes") if n["Alive"] and (not cfg.scaling.use_gpu or n["Resources"].get("GPU", 0) > 0)
              and n["Resources"].get("CPU", 0) >= cfg.scaling.cpus_per_worker]
     here = ray.get_runtime_context().get_node_id()
-    found = ray.get([detect.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
-                     for n in nodes if n["NodeID"] != here])
+    probes = [detect.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
+              for n in nodes if n["NodeID"] != here]
+    try:
+        found = ray.get(probes, timeout=CLUSTER_ANSWER_S)
+    except ray.exceptions.GetTimeoutError:
+        raise EnvironmentProblem(f"{len(probes)} Ray node(s) did not run the job's memory probe (a task that takes no resources) "
+                                 f"within {CLUSTER_ANSWER_S:g} s: a node is unreachable or cannot start a worker process. "
+                                 "`ray status` shows the nodes; remove or restart the sick one, then relaunch.") from None
     found += [Limits.detect_with_nvml() for n in nodes if n["NodeID"] == here]
     gpu = [f.gpu_mem_bytes for f in found if f.gpu_mem_bytes] if cfg.scaling.use_gpu else []
     host = [f.host_mem_bytes for f in found if f.host_mem_bytes]

@@ -40,7 +40,7 @@ from ray.tune import Callback
 
 from zerolab import compare, memory, tracking
 from zerolab.checkpoints import RunFinished
-from zerolab.cluster import connect_ray, may_train_in_driver, shutdown_ray, worker_resources
+from zerolab.cluster import ask_cluster, connect_ray, may_train_in_driver, shutdown_ray, worker_resources
 from zerolab.compare import format_value, run_labels
 from zerolab.config import ConfigError, SFTConfig
 from zerolab.data import data_identity
@@ -61,7 +61,7 @@ def max_concurrent(cfg: SFTConfig) -> int:
     so no trial waits on resources another holds."""
     import ray
 
-    resources = ray.cluster_resources()
+    resources = ask_cluster(ray.cluster_resources, "its resources")
     s = cfg.scaling
     if s.use_gpu:
         return max(1, int(resources.get("GPU", 0)) // s.num_workers)
