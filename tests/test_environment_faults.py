@@ -296,6 +296,25 @@ def test_the_job_adds_the_flags_of_a_user_errors_remedies():
 
 # --- the Ray cluster ----------------------------------------------------------------------------
 
+def test_a_question_to_the_cluster_left_unanswered_is_asked_again():
+    """The first of two identical requests never returns (as one to Ray's GCS did under load); the
+    second's answer is taken a third of the way to the deadline."""
+    import threading
+
+    from zerolab.cluster import ask_cluster
+
+    calls, never = [], threading.Event()
+
+    def question() -> dict[str, float]:
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            never.wait()
+        return {"CPU": 2.0}
+
+    started = time.monotonic()
+    assert ask_cluster(question, "its resources", timeout_s=3.0) == {"CPU": 2.0}
+    assert len(calls) == 2 and 0.9 < time.monotonic() - started < 2.0
+
 @pytest.mark.ray
 def test_a_ray_head_that_stops_answering_ends_the_preflight_with_a_message(tmp_path):
     """The launch's resource check against a real local Ray whose GCS process is stopped (SIGSTOP):

@@ -52,8 +52,11 @@ T = TypeVar("T")
 def ask_cluster(question: Callable[[], T], what: str, timeout_s: float | None = None) -> T:
     """``question()``, a query of Ray's cluster state (``ray.cluster_resources``, ``ray.nodes``), with a
     deadline. Ray's client waits for its GCS without one, in native code that no signal interrupts: a
-    head node that stopped answering would hold the job, and its Ctrl-C, for ever. Asked from a thread,
-    the wait ends at the deadline (or at Ctrl-C) with a message instead."""
+    head node that stopped answering would hold the job, and its Ctrl-C, for ever, and a local Ray
+    under load has left one such request unanswered while the GCS served others (Ray 2.60's
+    ``GlobalStateAccessor``). Asked from a thread, and once more a third of the way to the deadline,
+    the first answer wins; at the deadline (or at Ctrl-C) the wait ends with a message instead."""
+    answered = threading.Event()
     answer: list[tuple[bool, Any]] = []
 
     def ask() -> None:
@@ -61,11 +64,13 @@ def ask_cluster(question: Callable[[], T], what: str, timeout_s: float | None = 
             answer.append((True, question()))
         except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
             answer.append((False, exc))
+        answered.set()
 
-    thread = threading.Thread(target=ask, name=f"zerolab-ask-{what.replace(' ', '-')}", daemon=True)
     timeout_s = CLUSTER_ANSWER_S if timeout_s is None else timeout_s
-    thread.start()
-    thread.join(timeout_s)
+    for wait_s in (timeout_s / 3, timeout_s * 2 / 3):
+        threading.Thread(target=ask, name=f"zerolab-ask-{what.replace(' ', '-')}", daemon=True).start()
+        if answered.wait(wait_s):
+            break
     if not answer:
         address = os.environ.get("RAY_ADDRESS")
         fix = ("`ray status` shows its state; restart its head node, or unset RAY_ADDRESS to run on a local Ray instance, then relaunch"
