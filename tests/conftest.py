@@ -219,24 +219,9 @@ def ensure_ray():
     return ray
 
 
-@pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
-    """Each phase's report on the test item (``item.rep_call``), for fixtures that clean up after a failure."""
-    report = yield
-    setattr(item, f"rep_{report.when}", report)
-    return report
-
-
 @pytest.fixture
-def ray_cluster(request, _ray_session):
-    yield ensure_ray()
-    failed = getattr(request.node, "rep_call", None)
-    if failed is not None and failed.failed:
-        # A test that failed (above all at its time limit) can leave its trainer's actors holding the
-        # CPUs the next test's workers need: the next test starts a fresh Ray instead of waiting on them.
-        import ray
-
-        ray.shutdown()
+def ray_cluster(_ray_session):
+    return ensure_ray()
 
 
 @pytest.fixture(scope="session")

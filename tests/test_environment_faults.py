@@ -297,8 +297,8 @@ def test_the_job_adds_the_flags_of_a_user_errors_remedies():
 # --- the Ray cluster ----------------------------------------------------------------------------
 
 def test_a_question_to_the_cluster_left_unanswered_is_asked_again():
-    """The first of two identical requests never returns (as one to Ray's GCS did under load); the
-    second's answer is taken a third of the way to the deadline."""
+    """Under Ray Client the cluster is asked through Ray's public API from a thread: the first of two
+    identical requests never returns; the second's answer is taken a third of the way to the deadline."""
     import threading
 
     from zerolab.cluster import ask_cluster
@@ -316,10 +316,19 @@ def test_a_question_to_the_cluster_left_unanswered_is_asked_again():
     assert len(calls) == 2 and 0.9 < time.monotonic() - started < 2.0
 
 @pytest.mark.ray
+def test_the_nodes_and_resources_asked_with_a_deadline_are_rays_own(ray_cluster):
+    from zerolab.cluster import cluster_nodes, cluster_resources
+
+    ours = {n["NodeID"]: (n["Alive"], n["Resources"]) for n in cluster_nodes()}
+    assert ours == {n["NodeID"]: (n["Alive"], n["Resources"]) for n in ray_cluster.nodes()}
+    assert cluster_resources() == ray_cluster.cluster_resources()
+
+
+@pytest.mark.ray
 def test_a_ray_head_that_stops_answering_ends_the_preflight_with_a_message(tmp_path):
     """The launch's resource check against a real local Ray whose GCS process is stopped (SIGSTOP):
-    Ray's client would wait for ever, in native code no signal interrupts; the check ends at its
-    deadline with a message naming the cluster."""
+    ``ray.cluster_resources()`` would wait for ever, in native code no signal interrupts; the check
+    asks through the driver's GCS client with a deadline and ends with a message naming the cluster."""
     script = tmp_path / "stopped_gcs.py"
     script.write_text(f'''
 import sys, time
@@ -350,4 +359,4 @@ finally:
     line = next((x for x in out.stdout.splitlines() if x.startswith(("REFUSED", "ANSWERED"))), out.stdout + out.stderr[-2000:])
     assert line.startswith("REFUSED"), line
     assert float(line.split()[2]) < 10, line
-    assert "did not answer within 3 s when asked for its resources" in line and "local Ray instance" in line, line
+    assert "did not answer within 3 s when asked for its nodes" in line and "local Ray instance" in line, line

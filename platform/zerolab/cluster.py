@@ -50,12 +50,10 @@ T = TypeVar("T")
 
 
 def ask_cluster(question: Callable[[], T], what: str, timeout_s: float | None = None) -> T:
-    """``question()``, a query of Ray's cluster state (``ray.cluster_resources``, ``ray.nodes``), with a
-    deadline. Ray's client waits for its GCS without one, in native code that no signal interrupts: a
-    head node that stopped answering would hold the job, and its Ctrl-C, for ever, and a local Ray
-    under load has left one such request unanswered while the GCS served others (Ray 2.60's
-    ``GlobalStateAccessor``). Asked from a thread, and once more a third of the way to the deadline,
-    the first answer wins; at the deadline (or at Ctrl-C) the wait ends with a message instead."""
+    """``question()``, a query of the cluster through Ray's public API (under Ray Client, where
+    :func:`cluster_nodes` cannot reach the GCS itself), with a deadline: asked from a thread, and once
+    more a third of the way to it, the first answer wins; at the deadline (or at Ctrl-C) the wait ends
+    with a message instead of a native wait that no signal interrupts."""
     answered = threading.Event()
     answer: list[tuple[bool, Any]] = []
 
@@ -72,16 +70,57 @@ def ask_cluster(question: Callable[[], T], what: str, timeout_s: float | None = 
         if answered.wait(wait_s):
             break
     if not answer:
-        address = os.environ.get("RAY_ADDRESS")
-        fix = ("`ray status` shows its state; restart its head node, or unset RAY_ADDRESS to run on a local Ray instance, then relaunch"
-               if address else "this machine may be short of memory or CPU for Ray's own processes; free some and relaunch")
-        raise EnvironmentProblem(f"the Ray cluster ({f'RAY_ADDRESS={address}' if address else 'the local Ray instance this job started'}) "
-                                 f"did not answer within {timeout_s:g} s when asked for {what}: its head node's GCS is down, "
-                                 f"restarting or overloaded. {fix}.")
+        raise _no_answer(what, timeout_s)
     ok, value = answer[0]
     if not ok:
         raise value
     return value
+
+
+def cluster_nodes(timeout_s: float | None = None) -> list[dict[str, Any]]:
+    """The cluster's nodes as ``ray.nodes()`` lists them (``NodeID``, ``Alive``, ``Resources``), asked of
+    the GCS through the client this process already talks to it with, under a deadline. ``ray.nodes()``
+    and ``ray.cluster_resources()`` go through a second client (Ray 2.60's ``GlobalStateAccessor``) that
+    waits without one: under load it has left a request unanswered for good while the GCS served
+    everything else, in native code that no signal interrupts. Asked three times within the deadline;
+    past it the job ends with a message."""
+    import ray
+
+    if ray.util.client.ray.is_connected():
+        return ask_cluster(ray.nodes, "its nodes", timeout_s)
+    from ray.core.generated import gcs_pb2
+
+    client = ray._private.worker.global_worker.gcs_client
+    timeout_s = CLUSTER_ANSWER_S if timeout_s is None else timeout_s
+    for _ in range(3):
+        try:
+            infos = client.get_all_node_info(timeout=timeout_s / 3)
+            break
+        except ray.exceptions.RpcError:
+            continue
+    else:
+        raise _no_answer("its nodes", timeout_s)
+    return [{"NodeID": info.node_id.hex(), "Alive": info.state == gcs_pb2.GcsNodeInfo.ALIVE, "Resources": dict(info.resources_total)}
+            for info in infos.values()]
+
+
+def cluster_resources(timeout_s: float | None = None) -> dict[str, float]:
+    """What ``ray.cluster_resources()`` gives (the alive nodes' resources summed), through :func:`cluster_nodes`."""
+    total: dict[str, float] = {}
+    for node in cluster_nodes(timeout_s):
+        if node["Alive"]:
+            for name, amount in node["Resources"].items():
+                total[name] = total.get(name, 0.0) + amount
+    return total
+
+
+def _no_answer(what: str, timeout_s: float) -> EnvironmentProblem:
+    address = os.environ.get("RAY_ADDRESS")
+    fix = ("`ray status` shows its state; restart its head node, or unset RAY_ADDRESS to run on a local Ray instance, then relaunch"
+           if address else "this machine may be short of memory or CPU for Ray's own processes; free some and relaunch")
+    return EnvironmentProblem(f"the Ray cluster ({f'RAY_ADDRESS={address}' if address else 'the local Ray instance this job started'}) "
+                              f"did not answer within {timeout_s:g} s when asked for {what}: its head node's GCS is down, "
+                              f"restarting or overloaded. {fix}.")
 
 
 def quiet_ray_data_logging() -> None:
@@ -278,7 +317,7 @@ def resolve_launch(cfg: SFTConfig) -> str:
             return "workers"
     if s.use_gpu:
         node = ray.get_runtime_context().get_node_id()
-        gpus = next((n["Resources"].get("GPU", 0) for n in ask_cluster(ray.nodes, "its nodes") if n["NodeID"] == node), 0)
+        gpus = next((n["Resources"].get("GPU", 0) for n in cluster_nodes() if n["NodeID"] == node), 0)
         if gpus < 1:
             if s.launch == "auto":
                 return "workers"

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import torch
 
-from zerolab.cluster import ask_cluster, quiet_ray_data_logging
+from zerolab.cluster import cluster_resources, quiet_ray_data_logging
 from zerolab.config import ModelSpec
 from zerolab.data import DataError, RowError, list_data_files, parse_file, prompt_and_target
 from zerolab.errors import EvaluationError, EvaluationInput
@@ -369,7 +369,7 @@ def _generate_on_actors(spec: LoadSpec, examples: Sequence[Example], batches: li
 
     quiet_ray_data_logging()
     kind = "GPU" if device == "cuda" else "CPU"
-    have = ask_cluster(ray.cluster_resources, "its resources").get(kind, 0)
+    have = cluster_resources().get(kind, 0)
     if have < workers:
         # Ray Data would wait for actors that can never be placed.
         raise EvaluationError(f"{workers} generation workers: each actor takes one {kind} and the Ray cluster has {have:g}; use {int(have)} workers or fewer, or add nodes",

@@ -14,7 +14,7 @@ from typing import Any
 
 from zerolab import ds_config, memory, quantization, tracking
 from zerolab.clock import StartupClock
-from zerolab.cluster import CLUSTER_ANSWER_S, ask_cluster, connect_ray, reserved_resources, resolve_launch
+from zerolab.cluster import CLUSTER_ANSWER_S, cluster_nodes, cluster_resources, connect_ray, reserved_resources, resolve_launch
 from zerolab.config import ConfigError, SFTConfig
 from zerolab.data import (
     DataError,
@@ -105,7 +105,7 @@ def check_resources(cfg: SFTConfig, launch: str) -> None:
             raise EnvironmentProblem("scaling.use_gpu=true but this machine has no CUDA GPU that this process can see; run on a "
                                      "GPU machine, or set scaling.use_gpu=false to train on CPUs.")
         return
-    resources = ask_cluster(ray.cluster_resources, "its resources")
+    resources = cluster_resources()
     held = {k: v for k, v in reserved_resources().items() if k in ("CPU", "GPU") and v} if launch == "workers" else {}
     note = ""
     if held:
@@ -252,7 +252,7 @@ def cluster_limits(cfg: SFTConfig) -> Any:
     def detect() -> Limits:
         return Limits.detect_with_nvml()
 
-    nodes = [n for n in ask_cluster(ray.nodes, "its nodes") if n["Alive"] and (not cfg.scaling.use_gpu or n["Resources"].get("GPU", 0) > 0)
+    nodes = [n for n in cluster_nodes() if n["Alive"] and (not cfg.scaling.use_gpu or n["Resources"].get("GPU", 0) > 0)
              and n["Resources"].get("CPU", 0) >= cfg.scaling.cpus_per_worker]
     here = ray.get_runtime_context().get_node_id()
     probes = [detect.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()

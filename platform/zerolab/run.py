@@ -27,7 +27,7 @@ from zerolab.checkpoints import RunFolder, RunRecord, check_same_data, check_sto
 from zerolab.clock import StartupClock
 from zerolab.cluster import (
     adopt_worker_env,
-    ask_cluster,
+    cluster_nodes,
     connect_ray,
     import_now,
     job_imports,
@@ -254,7 +254,7 @@ def warn_if_node_local(tracking_uri: str) -> None:
 
     if not ray.is_initialized() or not tracking_uri.startswith(("sqlite:", "file:", "/", ".", "~")):
         return
-    nodes = sum(1 for node in ask_cluster(ray.nodes, "its nodes") if node["Alive"])
+    nodes = sum(1 for node in cluster_nodes() if node["Alive"])
     if nodes > 1:
         logger.warning("MLflow store %s is a file, and the Ray cluster has %d nodes: workers on other nodes can log to it "
                        "only if every node mounts it at the same path. Otherwise set MLFLOW_TRACKING_URI (or tracking.uri) "

@@ -40,7 +40,7 @@ from ray.tune import Callback
 
 from zerolab import compare, memory, tracking
 from zerolab.checkpoints import RunFinished
-from zerolab.cluster import ask_cluster, connect_ray, may_train_in_driver, shutdown_ray, worker_resources
+from zerolab.cluster import cluster_resources, connect_ray, may_train_in_driver, shutdown_ray, worker_resources
 from zerolab.compare import format_value, run_labels
 from zerolab.config import ConfigError, SFTConfig
 from zerolab.data import data_identity
@@ -59,9 +59,8 @@ INTERRUPTED = "INTERRUPTED"
 def max_concurrent(cfg: SFTConfig) -> int:
     """Trials that fit the cluster at once: its GPUs (or CPUs) over what one trial's workers take,
     so no trial waits on resources another holds."""
-    import ray
 
-    resources = ask_cluster(ray.cluster_resources, "its resources")
+    resources = cluster_resources()
     s = cfg.scaling
     if s.use_gpu:
         return max(1, int(resources.get("GPU", 0)) // s.num_workers)
