@@ -44,7 +44,7 @@ TRAIN_POLL_S = "0.5"
 """How often Ray Train's controller polls the workers (``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``)."""
 
 CLUSTER_ANSWER_S = 60.0
-"""How long the job waits for the Ray cluster to answer one question about itself (:func:`ask_cluster`)."""
+"""How long the job waits for the Ray cluster to answer one question about itself (:func:`cluster_nodes`)."""
 
 T = TypeVar("T")
 
