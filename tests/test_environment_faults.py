@@ -245,6 +245,27 @@ def test_ctrl_c_as_the_mlflow_run_opens_stops_at_once_and_leaves_the_store_usabl
     assert run.info.status == "KILLED"
 
 
+def test_a_run_stopped_after_its_final_checkpoint_finishes_on_relaunch_without_training(tmp_path, tiny_model_path):
+    """A job in its own process stopped after the last step's checkpoint (during the adapter's upload,
+    the registration or the evaluation) left a run to resume with nothing to train: the relaunch
+    ends it at that checkpoint with its recorded metrics, where it used to fail an assertion."""
+    from zerolab.run import run_sft
+
+    cfg = load_config(None, tiny_overrides(tmp_path, **{"model.name_or_path": tiny_model_path, "scaling.num_workers": 1,
+                                                        "scaling.launch": "driver", "train.max_steps": 4,
+                                                        "train.checkpoint_every_n_steps": 2, "data.num_eval_rows": 0}))
+    first = run_sft(cfg)
+    folder = RunFolder.of(cfg, cfg.run.storage_path)
+    record = folder.read_record()
+    record.status = "stopped"  # as the stop handler leaves it
+    folder.write_record(record)
+
+    again = run_sft(cfg)
+    assert again.checkpoint_path == first.checkpoint_path and again.metrics["step"] == 4
+    assert again.metrics["train/loss"] == pytest.approx(first.metrics["train/loss"])
+    assert folder.read_record().status == "finished"
+
+
 @pytest.mark.ray
 def test_a_registry_fault_after_training_keeps_the_run_and_changed_data_is_refused(ray_cluster, tmp_path, tiny_model_path):
     """The Model Registry refuses the trained adapter (a trigger in the real store): the job ends with

@@ -207,6 +207,15 @@ class RunFolder:
             return names
         return []
 
+    def checkpoint_metrics(self, name: str) -> dict[str, Any]:
+        """The metrics recorded with checkpoint ``name`` (its report's), empty where none are."""
+        try:
+            snapshot = self.read_json(SNAPSHOT_FILE)
+        except _Unreadable:
+            return {}
+        entries = [_entry(e) for e in (snapshot or {}).get("checkpoint_results", [])]
+        return next((dict(e.get("metrics") or {}) for e in entries if e.get("checkpoint_dir_name") == name), {})
+
     def latest_checkpoint(self) -> str | None:
         names = self.checkpoint_names()
         return names[-1] if names else None

@@ -98,6 +98,11 @@ class InDriver:
     last: tuple[dict[str, Any], Any] = ({}, None)
     """The last report's metrics and checkpoint (a ``ray.train.Checkpoint`` in the run folder)."""
 
+    def __post_init__(self) -> None:
+        # A relaunch whose checkpoint is the final step's trains and reports nothing: the run ends there.
+        if self.resume_from:
+            self.last = (self.folder.checkpoint_metrics(self.resume_from), self.checkpoint())
+
     def context(self) -> OneRank:
         return OneRank()
 
