@@ -51,10 +51,8 @@ T = TypeVar("T")
 
 def ask_cluster(question: Callable[[], T], what: str, timeout_s: float | None = None) -> T:
     """``question()``, a query of the cluster through Ray's public API (under Ray Client, where
-    :func:`cluster_nodes` cannot reach the GCS itself), with a deadline: asked from a thread, and once
-    more a third of the way to it, the first answer wins; at the deadline (or at Ctrl-C) the wait ends
-    with a message instead of a native wait that no signal interrupts."""
-    answered = threading.Event()
+    :func:`cluster_nodes` cannot reach the GCS itself), asked from a thread with a deadline: past it
+    (or at Ctrl-C) the wait ends with a message instead of a native wait that no signal interrupts."""
     answer: list[tuple[bool, Any]] = []
 
     def ask() -> None:
@@ -62,13 +60,11 @@ def ask_cluster(question: Callable[[], T], what: str, timeout_s: float | None = 
             answer.append((True, question()))
         except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
             answer.append((False, exc))
-        answered.set()
 
     timeout_s = CLUSTER_ANSWER_S if timeout_s is None else timeout_s
-    for wait_s in (timeout_s / 3, timeout_s * 2 / 3):
-        threading.Thread(target=ask, name=f"zerolab-ask-{what.replace(' ', '-')}", daemon=True).start()
-        if answered.wait(wait_s):
-            break
+    thread = threading.Thread(target=ask, name=f"zerolab-ask-{what.replace(' ', '-')}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
     if not answer:
         raise _no_answer(what, timeout_s)
     ok, value = answer[0]

@@ -59,7 +59,6 @@ INTERRUPTED = "INTERRUPTED"
 def max_concurrent(cfg: SFTConfig) -> int:
     """Trials that fit the cluster at once: its GPUs (or CPUs) over what one trial's workers take,
     so no trial waits on resources another holds."""
-
     resources = cluster_resources()
     s = cfg.scaling
     if s.use_gpu:
