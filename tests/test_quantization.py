@@ -126,6 +126,48 @@ def test_the_zero3_product_computes_what_bitsandbytes_does_and_caches_nothing(ki
         assert all(layers[n].weight.CB is None and layers[n].state.CB is None and layers[n].weight.SCB is not None for n in names)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_fused_lora_on_a_4bit_base_gives_peft_loss_and_gradients(device, tiny_model_path):
+    """The fused LoRA forward on an nf4 base (one autograd node per projection: bitsandbytes'
+    product, the adapter's and their sum) against peft's own on the same weights and rows: the loss
+    and every adapter gradient; with dropout the layers keep peft's forward, to the bit."""
+    from zerolab import kernels
+    from zerolab.adapters import apply_adapter
+    from zerolab.config import AdapterSpec
+    from zerolab.models import load_model
+
+    ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(0)).to(device)
+
+    def run(fuse: bool, dropout: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor], set[str]]:
+        torch.manual_seed(0)
+        model = load_model(ModelSpec(quantization="nf4"), torch.bfloat16, torch.device(device) if device == "cuda" else None)
+        model = apply_adapter(model, AdapterSpec(method="lora", r=4, alpha=8, dropout=dropout), 10).train()
+        with torch.no_grad():  # lora_B starts at zero, which would hide its product
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(std=0.05)
+        if fuse:
+            assert kernels.fuse_lora(model) == len(quantization.quantized_layers(model)) == 28
+        nodes: set[str] = set()
+        model.get_submodule("base_model.model.model.layers.1.mlp.down_proj").register_forward_hook(
+            lambda module, args, out: nodes.add(type(out.grad_fn.next_functions[0][0]).__name__))  # under the view to 3-D
+        torch.manual_seed(1)  # the same dropout masks
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}, nodes
+
+    (loss, grads, nodes), (ref_loss, ref_grads, ref_nodes) = run(True), run(False)
+    assert nodes == {"_LoRALinearBackward"} and ref_nodes != nodes
+    # bf16: peft rounds B's product, its scaling and the sum; addmm rounds once.
+    assert abs(loss - ref_loss) / ref_loss < 4e-3
+    assert grads.keys() == ref_grads.keys() and len(grads) == 2 * 28
+    flat, ref_flat = (torch.cat([g[k].flatten() for k in sorted(ref_grads)]) for g in (grads, ref_grads))
+    assert ((flat - ref_flat).norm() / ref_flat.norm()).item() < 4e-2
+    (loss, grads, nodes), (ref_loss, ref_grads, _) = run(True, dropout=0.1), run(False, dropout=0.1)
+    assert torch.equal(loss, ref_loss) and all(torch.equal(g, ref_grads[k]) for k, g in grads.items())
+
+
 def test_the_estimate_counts_packed_weights_and_their_constants():
     """7B shape: nf4 stores each projection weight in half a byte plus its constants; the
     embeddings, head and norms stay bf16; ZeRO-3 over two GPUs splits the packed bytes but not the
@@ -383,5 +425,5 @@ def test_a_qlora_job_trains_resumes_evaluates_and_exports(ray_cluster, tmp_path,
     from transformers import AutoModelForCausalLM
 
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
-    assert not quantization.quantized_layers(merged) and math.isfinite(float(merged(PROBE).logits.sum()))
+    assert not quantization.quantized_layers(merged) and math.isfinite(float(merged(PROBE).logits.detach().sum()))
     assert Path(result["output"]).is_dir()

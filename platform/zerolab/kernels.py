@@ -25,7 +25,11 @@
   two. Plain LoRA (rsLoRA too) with one active adapter, on any device, at any ZeRO stage (ZeRO-3
   with leaf layers: its per-module hooks would gather a weight only around its own module's call);
   other layers keep peft's forward, and a compiled layer gets the same products without the
-  one-node backward (Inductor fuses its own).
+  one-node backward (Inductor fuses its own). On a 4-bit base the node runs bitsandbytes' product
+  and dequantizes the weight for its backward as bitsandbytes does, where peft's layer is six
+  autograd nodes (bitsandbytes' product, a defensive copy of its output, A's and B's products,
+  the scale and the sum), each a round of host work in a QLoRA step that the host already bounds
+  (7B at one checkpointed 4k row: the GPU busy 380 of 612 ms).
 - Regional compilation (``model.compile``, ``compile_layers``): each decoder layer's forward goes
   through ``torch.compile`` (Inductor), which fuses its elementwise work (norms, RoPE, SwiGLU,
   residual adds, LoRA's dropout and scale) into fewer kernels and launches them from generated
@@ -259,16 +263,33 @@ def _fused_loss_forward(self: Any, input_ids: torch.Tensor | None = None, attent
 
 
 def fuse_lora(model: torch.nn.Module) -> int:
-    """Give every plain peft LoRA ``Linear`` of ``model`` the fused forward; returns how many.
-    Call after the adapter is applied; under ZeRO-3 without leaf layers they keep taking peft's forward."""
+    """Give every plain peft LoRA ``Linear`` of ``model``, and every LoRA layer on a 4-bit base, the
+    fused forward; returns how many. Call after the adapter is applied; under ZeRO-3 without leaf
+    layers they keep taking peft's forward."""
     from peft.tuners.lora.layer import Linear
 
+    four_bit = _four_bit_lora_type()
     count = 0
     for module in model.modules():
-        if type(module) is Linear:  # not its subclasses (quantized bases, AdaLoRA's SVD layers)
+        if type(module) is Linear:  # not its subclasses (AdaLoRA's SVD layers)
+            module.forward = types.MethodType(_lora_addmm_forward, module)
+            count += 1
+        elif four_bit is not None and type(module) is four_bit:
+            from zerolab.quantized_products import QuantizedProduct  # bitsandbytes is an optional extra
+
+            module.zerolab_base_product = QuantizedProduct(module.base_layer)
             module.forward = types.MethodType(_lora_addmm_forward, module)
             count += 1
     return count
+
+
+def _four_bit_lora_type() -> type | None:
+    """peft's LoRA layer on a bitsandbytes 4-bit base (None without bitsandbytes)."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return None
+    from peft.tuners.lora import bnb as peft_bnb
+
+    return getattr(peft_bnb, "Linear4bit", None)
 
 
 def _lora_addmm_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -277,14 +298,20 @@ def _lora_addmm_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -
     backward needs its input and weight, never its output, so the in-place update is safe for
     autograd). Anything else — adapters disabled or merged, several active adapters, DoRA and
     other variants, a bias on B, mixed dtypes, ZeRO-3 weights gathered module by module — takes
-    peft's own forward."""
+    peft's own forward.
+
+    On a 4-bit base (``zerolab_base_product``, set by :func:`fuse_lora`) the whole layer is one
+    autograd node or peft's forward: peft's adds a copy of the base product's output (a
+    defensive clone) to the scale and the add, and bitsandbytes' product is a node of its own."""
     names = self.active_adapters
     name = names[0] if len(names) == 1 else None
     a_layer, b_layer = (self.lora_A[name], self.lora_B[name]) if name in self.lora_A else (None, None)
     base = self.base_layer
+    quantized = self.__dict__.get("zerolab_base_product")
+    base_dtype = base.compute_dtype if quantized is not None else base.weight.dtype
     if (a_layer is None or args or kwargs or self.disable_adapters or self.merged or name in self.lora_variant
             or b_layer.bias is not None or not _gathered_with_layer(base.weight, a_layer.weight, b_layer.weight)
-            or not x.dtype == a_layer.weight.dtype == b_layer.weight.dtype == base.weight.dtype):
+            or not x.dtype == a_layer.weight.dtype == b_layer.weight.dtype == base_dtype):
         return type(self).forward(self, x, *args, **kwargs)
     flat = x.reshape(-1, x.shape[-1])
     # In a compiled layer the plain products below: Inductor derives and fuses their backward
@@ -292,8 +319,10 @@ def _lora_addmm_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -
     # then got no gradient at all).
     if not torch.compiler.is_compiling() and isinstance(self.lora_dropout[name], torch.nn.Identity) and not base.weight.requires_grad and (
             base.bias is None or not base.bias.requires_grad):
-        out = _LoRALinear.apply(flat, base.weight, base.bias, a_layer.weight, b_layer.weight, self.scaling[name],
-                                _fp8_weight(base, flat))
+        weight, frozen = (None, quantized) if quantized is not None else (base.weight, _fp8_weight(base, flat))
+        out = _LoRALinear.apply(flat, weight, base.bias, a_layer.weight, b_layer.weight, self.scaling[name], frozen)
+    elif quantized is not None:
+        return type(self).forward(self, x, *args, **kwargs)
     else:
         out = base(flat)
         out.addmm_(a_layer(self.lora_dropout[name](flat)), b_layer.weight.t(), alpha=self.scaling[name])
@@ -313,19 +342,22 @@ class _LoRALinear(torch.autograd.Function):
     """``x·Wᵀ + b + s·(x·Aᵀ)·Bᵀ`` for a frozen ``W`` (no dropout) as one autograd node. Its backward
     accumulates the adapter's share of the input gradient into the base product's (``addmm_``,
     the sum in the product's epilogue) where autograd would add the two branches' gradients in
-    a separate pass over the B·S×in tensor, once per wrapped projection."""
+    a separate pass over the B·S×in tensor, once per wrapped projection. ``frozen``, where the base
+    product is not ``x·Wᵀ`` with a plain weight: its e4m3 copy (:class:`Fp8Weight`) or a quantized
+    base's product (``zerolab.quantized_products.QuantizedProduct``, ``weight`` None); either
+    gives ``product(x, bias)`` and ``input_grad(grad)``."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
-                lora_b: torch.Tensor, scale: float, fp8: Fp8Weight | None = None) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, lora_a: torch.Tensor,
+                lora_b: torch.Tensor, scale: float, frozen: Any = None) -> torch.Tensor:
         h = x @ lora_a.t()
-        if fp8 is not None:
-            out = fp8.product(x, bias)
+        if frozen is not None:
+            out = frozen.product(x, bias)
         else:
             out = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
         out.addmm_(h, lora_b.t(), alpha=scale)
         ctx.save_for_backward(x, weight, lora_a, lora_b, h)
-        ctx.scale, ctx.fp8 = scale, fp8
+        ctx.scale, ctx.frozen = scale, frozen
         return out
 
     @staticmethod
@@ -334,7 +366,7 @@ class _LoRALinear(torch.autograd.Function):
         grad_h = (grad @ lora_b).mul_(ctx.scale)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = ctx.fp8.input_grad(grad) if ctx.fp8 is not None else grad @ weight
+            grad_x = ctx.frozen.input_grad(grad) if ctx.frozen is not None else grad @ weight
             grad_x.addmm_(grad_h, lora_a)
         grad_a = grad_h.t() @ x if ctx.needs_input_grad[3] else None
         grad_b = (grad.t() @ h).mul_(ctx.scale) if ctx.needs_input_grad[4] else None

@@ -83,12 +83,35 @@ class _GatheredProduct(torch.autograd.Function):
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         grad_input = grad_bias = None
         if ctx.needs_input_grad[0]:
-            with _whole(ctx.layer.weight):
-                dense = _dequantized(ctx.layer, grad_output.dtype)
-            grad_input = torch.matmul(grad_output, dense)
+            grad_input = _input_grad(ctx.layer, grad_output)
         if ctx.needs_input_grad[1]:
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
         return grad_input, grad_bias, None
+
+
+class QuantizedProduct:
+    """A 4-bit layer's frozen product as the fused LoRA node takes it (``zerolab.kernels.fuse_lora``:
+    the base product, the adapter's products and their sum as one autograd node): bitsandbytes'
+    kernel in the forward, the dequantized weight for the input gradient, the layer kept rather than
+    its weight (so also under ZeRO-3 with leaf layers)."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        self.layer = layer
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x·Wᵀ + b`` in x's dtype (the layer's compute dtype), recording no gradient."""
+        return _product(self.layer, x, None if bias is None else bias.to(x.dtype))
+
+    def input_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad·W``."""
+        return _input_grad(self.layer, grad)
+
+
+def _input_grad(layer: torch.nn.Module, grad_output: torch.Tensor) -> torch.Tensor:
+    """The product's input gradient, ``grad·W``, from the weight dequantized as bitsandbytes' backward does."""
+    with _whole(layer.weight):
+        dense = _dequantized(layer, grad_output.dtype)
+    return torch.matmul(grad_output, dense)
 
 
 def _product(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
