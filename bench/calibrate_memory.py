@@ -609,7 +609,7 @@ def fit_calibration(rows: list[dict[str, str]]) -> dict[str, float]:
     every GPU prediction by the same amount: its fit is the current value plus the median residual.
     Reserved memory is the allocated peak plus the larger of a share of it and the largest block
     the estimate expects cached (``zerolab.memory.terms.cached_blocks``): the share's constant
-    (``zerolab.memory.terms.reserved_share``: ``reserved_factor`` at ZeRO 0-2, ``reserved_factor_zero3``,
+    (``zerolab.memory.terms.reserved_share``: ``reserved_factor`` at ZeRO 0-2, ``reserved_factor_int8``, ``reserved_factor_zero3``,
     ``reserved_factor_zero3_split_or_4bit``) is the median of measured reserved / allocated over the
     rows without parameter offload where the estimate takes that constant and the share is the larger; ``reserved_param_offload_factor``
     the median of measured (reserved − allocated) / the largest gathered parameter's bytes over the

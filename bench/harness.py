@@ -376,6 +376,13 @@ SUITES: dict[str, list[Run]] = {
             timeout_s=420, overrides=("scaling.sequence_parallel_size=2",)),
         Run("zerolab", "qwen2.5-0.5b", gpus=2, stage=3, micro_batch=2, steps=8, window=4, variant="nf4-mb2", timeout_s=300,
             overrides=("model.quantization=nf4",))],
+    # The held-out check of what LLM.int8()'s product keeps per token (zerolab.memory.activations.int8_held_inputs,
+    # fitted to 7B at one checkpointed 4k row): twice the tokens, and the 0.5B shape without checkpointing.
+    "int8-heldout": [
+        Run("zerolab", "qwen2.5-7b", stage=2, micro_batch=2, steps=8, window=4, checkpointing=True, variant="int8-mb2-ckpt", timeout_s=300,
+            overrides=("model.quantization=int8",)),
+        Run("zerolab", "qwen2.5-0.5b", stage=2, micro_batch=2, steps=8, window=4, variant="int8-mb2", timeout_s=300,
+            overrides=("model.quantization=int8",))],
     # Long rows on one GPU (docs/memory.md#long-rows): see _suite_long_rows_7b.
     "long-rows-7b": _suite_long_rows_7b(),
     # The 0.5B shape at 64K-token rows: as they fit without checkpointing, and with the tiled MLP.

@@ -45,17 +45,6 @@ def bytes_per_weight(quantization: str) -> float:
     raise ValueError(f"not a quantized format: {quantization!r}")
 
 
-INT8_HELD_BYTES_PER_WEIGHT = 1.76
-"""What LLM.int8() layers held on the GPU beyond their int8 weights and row scales, per weight,
-at a training step's peak: 7B, one packed 4k row, gradient checkpointing, ZeRO-2 on one H100
-(lease h100x2-55): 21.0 GiB allocated against 10.3 GiB counted without it. bitsandbytes' product
-(``MatMul8bitLt``) keeps each layer's input and its outlier columns for the backward outside
-``save_for_backward``, where gradient checkpointing does not drop them, so these bytes follow
-tokens × layers × the projections' input widths rather than the weights; the estimate counts
-them per weight, as measured, so as not to approve an int8 job that cannot fit. Not under ZeRO-3,
-whose products keep nothing (``zerolab.quantized_products``)."""
-
-
 def bytes_per_row(quantization: str) -> float:
     """Bytes per output row beside the weights: LLM.int8()'s fp32 row scale; none for 4-bit."""
     return 4.0 if quantization == "int8" else 0.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from zerolab.memory.context import EstimateContext
 from zerolab.memory.shapes import PROJECTIONS
-from zerolab.quantization import FOUR_BIT, INT8_HELD_BYTES_PER_WEIGHT, bytes_per_row, bytes_per_weight
+from zerolab.quantization import FOUR_BIT, bytes_per_row, bytes_per_weight
 
 
 def weights(job: EstimateContext) -> int:
@@ -26,22 +26,18 @@ def weights(job: EstimateContext) -> int:
 def quantization_constants(job: EstimateContext) -> int:
     """What bitsandbytes keeps beside each quantized weight, whole on every rank (ZeRO-3 partitions
     only the weight tensor): 4-bit, the absmax per block of 64 weights (nf4: 8-bit, plus an fp32
-    constant per 256 blocks; fp4: fp32); int8, an fp32 scale per output row, and under ZeRO 0-2 what
-    its layers were measured to hold beyond that in training
-    (``zerolab.quantization.INT8_HELD_BYTES_PER_WEIGHT``). Under ZeRO-3 the products are zerolab's
-    (``zerolab.quantized_products``), which keep nothing of a product for its backward."""
+    constant per 256 blocks; fp4: fp32); int8, an fp32 scale per output row (what LLM.int8()'s
+    product keeps for its backward is per token: ``activations.int8_held_inputs``)."""
     if job.quantization == "none":
         return 0
 
     packed = 1.0 if job.quantization == "int8" else 0.5
-    # LLM.int8()'s layers held more than their weights and scales (measured; see INT8_HELD_BYTES_PER_WEIGHT).
-    held = INT8_HELD_BYTES_PER_WEIGHT if job.quantization == "int8" and job.stage < 3 else 0.0
     shapes = job.shape.linear_shapes()
     total = 0.0
     for p in job.inv:
         if job.quantized(p):
             rows = shapes[p.module.removeprefix("layers.")][1]
-            total += p.count * (p.numel * (bytes_per_weight(job.quantization) - packed + held) + rows * bytes_per_row(job.quantization))
+            total += p.count * (p.numel * (bytes_per_weight(job.quantization) - packed) + rows * bytes_per_row(job.quantization))
     return int(total)
 
 
@@ -402,10 +398,10 @@ def largest_gathered(job: EstimateContext) -> int:
 def reserved_share(job: EstimateContext) -> str:
     """The :class:`~zerolab.memory.calibration.Calibration` constant that gives peak reserved / peak
     allocated where the churn of many blocks decides it (:attr:`~zerolab.memory.options.Estimate.device_reserved`):
-    ZeRO 0-2's, ZeRO-3's, or ZeRO-3's with each row split over GPUs or a 4-bit base (measured, not
-    derived: the allocator kept more cached there, lease h200x4-65)."""
+    ZeRO 0-2's (an int8 base's of its own), ZeRO-3's, or ZeRO-3's with each row split over GPUs or a
+    4-bit base (measured, not derived: the allocator kept more cached there, lease h200x4-65)."""
     if job.stage < 3:
-        return "reserved_factor"
+        return "reserved_factor_int8" if job.quantization == "int8" else "reserved_factor"
     if not job.offload_param and (job.sp > 1 or job.quantization in FOUR_BIT):
         return "reserved_factor_zero3_split_or_4bit"
     return "reserved_factor_zero3"
