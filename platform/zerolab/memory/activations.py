@@ -174,8 +174,10 @@ def int8_held_inputs(job: EstimateContext) -> int:
     Measured: 7B, one packed 4k row, checkpointing, ZeRO-2 on one H100 (lease h100x2-55), 10.7 GiB
     beside the rest of the estimate, 10.4 counted here; held out, 14B over two H200s at ZeRO-2
     (h200x2-63): 34.8 GiB allocated per GPU against 34.4 estimated (the same bytes counted per
-    weight, as measured on 7B, had made it 40.3). 0 under ZeRO-3, whose products keep nothing
-    (``zerolab.quantized_products``), and for other bases."""
+    weight, as measured on 7B, had made it 40.3); 7B at two checkpointed rows (h100-77): −0.8%. The
+    0.5B shape, whose down input has no outlier at all, is over by the outlier count: +19.9%
+    (h100-77). 0 under ZeRO-3, whose products keep nothing (``zerolab.quantized_products``), and
+    for other bases."""
     if job.quantization != "int8" or job.stage >= 3:
         return 0
     s, e = job.shape, job.e
