@@ -6,6 +6,7 @@ with its evaluation, resume and export."""
 from __future__ import annotations
 
 import gc
+import logging
 import math
 import os
 from pathlib import Path
@@ -166,6 +167,22 @@ def test_fused_lora_on_a_4bit_base_gives_peft_loss_and_gradients(device, tiny_mo
     assert ((flat - ref_flat).norm() / ref_flat.norm()).item() < 4e-2
     (loss, grads, nodes), (ref_loss, ref_grads, _) = run(True, dropout=0.1), run(False, dropout=0.1)
     assert torch.equal(loss, ref_loss) and all(torch.equal(g, ref_grads[k]) for k, g in grads.items())
+
+
+def test_a_worker_logs_the_int8_cast_warning_once(tiny_model_path, caplog):
+    """bitsandbytes' LLM.int8() product warns at every call that it casts bf16 inputs to fp16; a
+    training worker's logging passes it once."""
+    from zerolab.models import load_model
+    from zerolab.worker_log import setup_worker_logging
+
+    model = load_model(ModelSpec(quantization="int8"), torch.bfloat16).eval()
+    setup_worker_logging(own_handler=False)
+    setup_worker_logging(own_handler=False)  # a warm trainer's next run sets it up again
+    with caplog.at_level(logging.WARNING, logger="bitsandbytes"), torch.no_grad():
+        model(PROBE)
+        model(PROBE)
+    casts = [r for r in caplog.records if "inputs will be cast" in r.getMessage()]
+    assert len(casts) == 1, len(casts)
 
 
 def test_the_estimate_counts_packed_weights_and_their_constants():
