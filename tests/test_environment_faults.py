@@ -315,6 +315,32 @@ def test_the_job_adds_the_flags_of_a_user_errors_remedies():
     assert "--restart" not in run_job(job)[1]  # a job without the flag offers none
 
 
+def test_training_that_hands_back_no_final_checkpoint_ends_with_where_the_run_resumes(tmp_path):
+    """Ray Train's result can lack the final checkpoint (its checkpoint manager missed the last
+    report): the job says where the run folder's latest is and how to go on, exit 1, no traceback."""
+    import pyarrow.fs as pafs
+
+    from zerolab.checkpoints import record_checkpoint
+    from zerolab.cli import TRAINING_FAILED, run_job
+    from zerolab.run import no_final_checkpoint
+
+    folder = RunFolder(fs=pafs.LocalFileSystem(), path=str(tmp_path / "r"), uri=str(tmp_path / "r"))
+    assert str(no_final_checkpoint(folder, {}, "r")) == (
+        f"training ended without Ray Train handing back a final checkpoint; the run folder {tmp_path / 'r'} holds none; "
+        "relaunch with run.name=r to train it again.")
+    (tmp_path / "ckpt" / "adapter").mkdir(parents=True)
+    (tmp_path / "ckpt" / "adapter" / "adapter_config.json").write_text("{}")
+    folder.fs.create_dir(folder.path)  # the job made the run folder
+    record_checkpoint(folder, tmp_path / "ckpt", "checkpoint_000002", {"step": 2}, keep=2)
+
+    def job():
+        raise no_final_checkpoint(folder, {"step": 4}, "r")
+
+    assert run_job(job) == (TRAINING_FAILED, f"\ntraining failed: training ended after step 4 without Ray Train handing back a "
+                                             f"final checkpoint; the run folder {tmp_path / 'r'} holds checkpoint_000002 as its "
+                                             "latest; relaunch with run.name=r to resume there.")
+
+
 # --- the Ray cluster ----------------------------------------------------------------------------
 
 def test_a_question_to_the_cluster_left_unanswered_ends_at_its_deadline():

@@ -9,7 +9,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from zerolab.errors import UserError, root_cause
-from zerolab.stop import DeadlineReached, Interrupted, signals_interrupt
+from zerolab.stop import DeadlineReached, Interrupted, NoFinalCheckpoint, signals_interrupt
 from zerolab.tracking import mask_text
 
 USER_ERROR = 2
@@ -37,7 +37,6 @@ def run_job(job: Callable[[], Any], *, command: Sequence[str] | None = None, rem
     :data:`REMEDIES` the job offers, end a user error's message with their flags."""
     from ray.train import TrainingFailedError
 
-
     try:
         with signals_interrupt():
             result = job()
@@ -51,6 +50,8 @@ def run_job(job: Callable[[], Any], *, command: Sequence[str] | None = None, rem
         return INTERRUPTED, "\naborted without a checkpoint; a relaunch resumes from the last saved one"
     except TrainingFailedError as exc:
         return TRAINING_FAILED, mask_text(f"\ntraining failed: {root_cause(exc)}")
+    except NoFinalCheckpoint as exc:
+        return TRAINING_FAILED, mask_text(f"\ntraining failed: {exc}")
     return 0, summary(result)
 
 

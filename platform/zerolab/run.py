@@ -39,7 +39,7 @@ from zerolab.cluster import (
 from zerolab.config import ConfigError, SFTConfig
 from zerolab.data import PreparedSplit, needs_ray_data, worker_datasets
 from zerolab.plan import JobPlan, check_resources, plan_job
-from zerolab.stop import DeadlineReached, Interrupted, StopSignal
+from zerolab.stop import DeadlineReached, Interrupted, NoFinalCheckpoint, StopSignal
 from zerolab.worker_plan import TrackingTarget, WorkerPlan
 
 logger = logging.getLogger("zerolab")
@@ -150,6 +150,17 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
                           f"run.name={cfg.run.name} to start it (it keeps this run's MLflow record).", run_name=cfg.run.name) from None
 
 
+def no_final_checkpoint(folder: RunFolder, metrics: dict[str, Any], run_name: str) -> NoFinalCheckpoint:
+    """The error of a run whose training ended without a final checkpoint handed back: where the
+    run folder's latest checkpoint is, and how to go on from it."""
+    latest = folder.latest_checkpoint()
+    after = f" after step {metrics['step']}" if "step" in metrics else ""
+    where = (f"{latest} as its latest; relaunch with run.name={run_name} to resume there" if latest
+             else f"none; relaunch with run.name={run_name} to train it again")
+    return NoFinalCheckpoint(f"training ended{after} without Ray Train handing back a final checkpoint; the run folder "
+                             f"{folder.uri} holds {where}.")
+
+
 def check_registry_name(cfg: SFTConfig) -> None:
     """Refuse, before anything starts, a registered-model name MLflow would refuse after training."""
     if not cfg.tracking.register:
@@ -176,7 +187,8 @@ def _train(plan: JobPlan, run: tracking.TrackedRun, record: RunRecord, folder: R
         result = stopper.fit(trainer)
     in_driver = trainer.train_loop_config["plan"].in_driver
     metrics, checkpoint = in_driver.last if in_driver else (dict(result.metrics or {}), result.checkpoint)
-    assert checkpoint is not None, "the run finished without a final checkpoint"
+    if checkpoint is None:  # Ray Train V2's result holds its checkpoint manager's latest, which can miss the last report
+        raise no_final_checkpoint(folder, metrics, cfg.run.name)
     checkpoint_uri = location(checkpoint.filesystem, checkpoint.path)
     step = int(metrics.get("step", 0))
     record.step, record.checkpoint = step, checkpoint.path.rstrip("/").rsplit("/", 1)[-1]

@@ -79,6 +79,11 @@ def _rebuild_interrupted(cls: type[Interrupted], message: str, run_name: str | N
     return cls(message, run_name=run_name)
 
 
+class NoFinalCheckpoint(RuntimeError):
+    """Training ended but no final checkpoint came back to the driver; the message says where the
+    run resumes from."""
+
+
 class DeadlineReached(Interrupted):
     """The run stopped at ``run.max_wall_time_s`` after saving a checkpoint."""
 
