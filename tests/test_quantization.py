@@ -169,12 +169,14 @@ def test_fused_lora_on_a_4bit_base_gives_peft_loss_and_gradients(device, tiny_mo
     assert torch.equal(loss, ref_loss) and all(torch.equal(g, ref_grads[k]) for k, g in grads.items())
 
 
-def test_a_worker_logs_the_int8_cast_warning_once(tiny_model_path, caplog):
+def test_a_worker_logs_the_int8_cast_warning_once(tiny_model_path, caplog, monkeypatch):
     """bitsandbytes' LLM.int8() product warns at every call that it casts bf16 inputs to fp16; a
     training worker's logging passes it once."""
     from zerolab.models import load_model
     from zerolab.worker_log import setup_worker_logging
 
+    # A fresh worker: another test in this process may have set up worker logging and seen the line.
+    monkeypatch.setattr(logging.getLogger("bitsandbytes.autograd._functions"), "filters", [])
     model = load_model(ModelSpec(quantization="int8"), torch.bfloat16).eval()
     setup_worker_logging(own_handler=False)
     setup_worker_logging(own_handler=False)  # a warm trainer's next run sets it up again
