@@ -77,7 +77,8 @@ class Run:
     """zerolab-torchrun and trl: profile this many steps after the measured ones (printed to runs.log)."""
     traces: tuple[str, ...] = ()
     """zerolab-torchrun: ``memory`` (the allocator's history at the steps' peak) and ``rss`` (the process's
-    resident memory by phase), printed to runs.log."""
+    resident memory by phase), printed to runs.log. zerolab: ``memory`` (``train.memory_snapshot_dir``,
+    written up by :func:`write_memory_traces`)."""
     max_seq_length: int = 4096
     row_tokens: int = 0
     """0: the benchmark's data mix (rows of 20 to ``max_seq_length`` tokens, packed). Else long rows
@@ -458,10 +459,34 @@ def zerolab_overrides(run: Run, ws: Workspace, *, for_torchrun: bool = False) ->
     if run.ds_settings != "tuned":
         o.append(f"deepspeed.config={zero3_variant(ws, run)}")
     o += list(run.overrides)
+    if "memory" in run.traces and not for_torchrun:
+        o.append(f"train.memory_snapshot_dir={memory_snapshot_dir(run, ws)}")
     if not for_torchrun:
         o += [f"run.name=bench-{run.name.replace('.', '_')}", f"run.storage_path={ws.root / 'runs'}",
               f"tracking.uri=file://{ws.root / 'mlruns'}", "tracking.experiment=benchmark", "tracking.register=false"]
     return o
+
+
+def memory_snapshot_dir(run: Run, ws: Workspace) -> Path:
+    return ws.root / "memory_snapshots" / run.name
+
+
+def write_memory_traces(run: Run, ws: Workspace, out: Path) -> None:
+    """A zerolab run's allocator histories (``train.memory_snapshot_dir``), one per rank, as text:
+    what was allocated at the peak (``bench/memory_trace.peak_breakdown``) and why the allocator
+    reserved more (``segment_report``); the histories themselves (hundreds of MB) are deleted."""
+    import pickle
+
+    from bench.memory_trace import format_breakdown, peak_breakdown, segment_report
+
+    parts = []
+    for path in sorted(memory_snapshot_dir(run, ws).glob("rank*.pickle")):
+        snapshot = pickle.loads(path.read_bytes())
+        device = next(i for i, trace in enumerate(snapshot["device_traces"]) if trace)
+        parts += [f"===== {path.stem}: allocated at the peak", format_breakdown(peak_breakdown(snapshot, 0, device)),
+                  f"===== {path.stem}: reserved beyond allocated", segment_report(snapshot, device)]
+        path.unlink()
+    out.write_text("\n".join(parts) + "\n" if parts else "no allocator history was written\n")
 
 
 def zero3_variant(ws: Workspace, run: Run) -> Path:

@@ -22,6 +22,7 @@ job: it starts every system itself, each in a fresh process (bench/harness.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -47,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/zerolab-bench"), help="models, data and run folders")
     parser.add_argument("--max-minutes", type=float, help="start no run after this many minutes")
     parser.add_argument("--skip-checks", action="store_true", help="do not run bench/gpu_checks.py first")
+    parser.add_argument("--memory-trace", action="store_true",
+                        help="zerolab runs: record the CUDA allocator's history (train.memory_snapshot_dir) and write what "
+                             "holds the memory at the peak and why reserved exceeds allocated to <out>/<run>.memory.txt")
     parser.add_argument("--report", type=Path, nargs="+", metavar="CSV", help="no runs: merge these result files into <out>/benchmark.md")
     args = parser.parse_args(argv)
 
@@ -64,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--run: no run named {', '.join(unknown)}; the runs: {', '.join(sorted(by_name))}")
     runs += [by_name[n] for n in args.run]
+    if args.memory_trace:
+        runs = [dataclasses.replace(r, traces=(*r.traces, "memory")) if r.system == "zerolab" else r for r in runs]
     ws = harness.Workspace(args.work)
     # The kernel checks train one batch with every weight trainable: the 0.5B shape whatever the runs'
     # (the 7B shape's full gradients and padded activations did not fit an 80 GB GPU).
@@ -82,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         log.flush()
         since = (args.out / "runs.log").stat().st_size
         row, calibration = harness.execute(run, ws, log)
+        if "memory" in run.traces and run.system == "zerolab":
+            harness.write_memory_traces(run, ws, args.out / f"{run.name}.memory.txt")
         rows.append(row)
         if row["status"] != "ok":  # why, where the summary is read (a GPU host's files may not come back)
             log.flush()

@@ -105,3 +105,34 @@ def test_trl_trains_zerolabs_rows_through_the_harness_on_cpu(harness, tmp_path):
     table = harness.markdown_table(harness.read_csv([Path(tmp_path / "benchmark.csv")]))
     trl_line = next(line for line in table.splitlines() if line.startswith("| trl-tiny"))
     assert "| 1.00× · — · 1.00× |" in trl_line
+
+
+def test_the_segment_report_finds_the_hole_a_request_did_not_fit(monkeypatch):
+    """A stream maps 100 MiB, frees a 40 MiB block at its start that a live block keeps from the free
+    end, then asks for 50 MiB: the allocator maps more. The report names that growth, the request's
+    line, the 40 MiB hole and the live block above it; another stream's blocks are kept apart."""
+    monkeypatch.syspath_prepend(str(REPO))
+    from bench.memory_trace import segment_report
+
+    mib = 2**20
+
+    def frames(line: int) -> list[dict[str, object]]:
+        return [{"filename": "/x/platform/zerolab/model_code.py", "line": line, "name": "f"}]
+
+    def ev(action: str, addr: int, size: int, stream: int = 0, line: int = 0) -> dict[str, object]:
+        return {"action": action, "addr": addr * mib, "size": size * mib, "stream": stream, "frames": frames(line)}
+
+    trace = [ev("segment_map", 0, 100), ev("alloc", 0, 40, line=1), ev("alloc", 40, 20, line=2), ev("alloc", 60, 40, line=3),
+             ev("segment_map", 1000, 30, stream=7), ev("alloc", 1000, 10, stream=7, line=9),
+             ev("free_requested", 0, 40), ev("free_completed", 0, 40),
+             ev("segment_map", 100, 50), ev("alloc", 100, 50, line=4)]
+    snapshot = {"device_traces": [trace], "segments": [
+        {"device": 0, "stream": 0, "total_size": 150 * mib, "allocated_size": 110 * mib},
+        {"device": 0, "stream": 7, "total_size": 30 * mib, "allocated_size": 10 * mib}]}
+    report = segment_report(snapshot, last=1)
+    assert "reserved peak 0.176 GiB replayed" in report  # 180 MiB
+    assert "growth at event 8: +50.0 MiB" in report and "for 50.0 MiB at zerolab/model_code.py:4 f" in report
+    assert "stream 0x0 before it: allocated 0.059 GiB of 0.098 mapped" in report  # 60 of 100 MiB
+    assert "stream 0x7 before it: allocated 0.010 GiB of 0.029 mapped" in report
+    assert "its stream's free holes: 0.039 GiB in 1" in report
+    assert "40.0 MiB  between [segment start] and [zerolab/model_code.py:2 f]" in report

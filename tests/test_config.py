@@ -94,6 +94,12 @@ def test_fp8_needs_frozen_unpartitioned_bf16_weights_on_a_gpu():
     load_config(None, ["model.fp8=true", "scaling.use_gpu=true", "deepspeed.stage=2", "adapter.method=dora"])
 
 
+def test_a_memory_snapshot_records_the_cuda_allocator_so_it_needs_a_gpu():
+    assert problems(["train.memory_snapshot_dir=/tmp/snapshots"]) == [
+        "train.memory_snapshot_dir: records the CUDA allocator; set scaling.use_gpu=true or leave it empty"]
+    load_config(None, ["train.memory_snapshot_dir=/tmp/snapshots", "scaling.use_gpu=true"])
+
+
 def test_missing_paths_and_custom_task():
     found = problems(["data.task=custom", "data.eval_path=/nonexistent/eval.jsonl"])
     assert any(p.startswith("data.train_path: required when data.task=custom") for p in found)

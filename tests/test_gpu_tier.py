@@ -261,6 +261,28 @@ def test_long_row_settings_train_as_the_plain_path_on_a_gpu(gpu_ray, tmp_path, g
         assert params["derived.tiled_mlps"] == ("4" if name in ("tiled", "both") else "0"), name
 
 
+def test_a_memory_snapshot_records_each_ranks_allocator_history(gpu_ray, tmp_path, gpu_model_path):
+    """``train.memory_snapshot_dir`` on a ZeRO-3 job: the rank's file holds the history from before
+    the model loaded to the end of training, and ``bench/memory_trace.py`` reads it."""
+    import pickle
+
+    from conftest import REPO
+    from zerolab.run import run_sft
+
+    sys.path.insert(0, str(REPO))
+    from bench.memory_trace import peak_breakdown, segment_report
+
+    cfg = case_config(tmp_path, gpu_model_path, ["deepspeed.stage=3", f"train.memory_snapshot_dir={tmp_path / 'snapshots'}"], 1)
+    run_sft(cfg)
+    snapshot = pickle.loads((tmp_path / "snapshots" / "rank0.pickle").read_bytes())
+    device = next(i for i, trace in enumerate(snapshot["device_traces"]) if trace)
+    actions = {ev["action"] for ev in snapshot["device_traces"][device]}
+    assert {"alloc", "free_completed", "segment_map"} <= actions  # expandable segments map; the model's weights are allocated
+    breakdown = peak_breakdown(snapshot, 0, device)
+    assert breakdown["peak"] > 0 and any("zerolab" in site for site, _, _ in breakdown["groups"])
+    assert "growths to a new reserved peak" in segment_report(snapshot, device)
+
+
 def history(result: RunResult, metric: str) -> list[float]:
     from mlflow import MlflowClient
 

@@ -48,7 +48,7 @@ SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
 """Ray Train V2's record of reported checkpoints in the run folder."""
 
 RESUME_SAFE_KEYS = {
-    "train.log_every_n_steps", "train.checkpoint_every_n_steps", "train.keep_checkpoints",
+    "train.log_every_n_steps", "train.checkpoint_every_n_steps", "train.keep_checkpoints", "train.memory_snapshot_dir",
     "run.max_failures", "run.storage_path", "run.max_wall_time_s", "tracking.uri", "tracking.experiment",
     "tracking.register", "tracking.registered_model", "tracking.model_alias", "tracking.system_metrics_interval_s",
     "eval.enabled", "eval.num_examples", "eval.max_new_tokens", "eval.batch_size", "eval.compare_base", "eval.num_workers",

@@ -171,6 +171,10 @@ class TrainSpec:
     """Save a resumable checkpoint every N steps; one is always saved at the end."""
     keep_checkpoints: int = 2
     """Checkpoints kept in storage (the newest)."""
+    memory_snapshot_dir: str = ""
+    """GPU only: a local folder where each worker writes its CUDA allocator's history at the end of
+    training (`rank<N>.pickle`, every allocation and segment with the Python lines that made it; open it
+    at pytorch.org/memory_viz or with `bench/memory_trace.py`). Slows the steps; empty: off."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -483,6 +487,8 @@ def validate(cfg: SFTConfig) -> list[str]:
             p.append("model.attn_implementation: flash_attention_2 needs a GPU; use sdpa with scaling.use_gpu=false")
         if m.kernels == "liger":
             p.append("model.kernels: liger needs a GPU (its kernels are Triton); use auto or none with scaling.use_gpu=false")
+        if t.memory_snapshot_dir:
+            p.append("train.memory_snapshot_dir: records the CUDA allocator; set scaling.use_gpu=true or leave it empty")
 
     positive("run.max_wall_time_s", r.max_wall_time_s, allow_none=True)
     if r.name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", r.name):

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import resource
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 GIB = 1024**3
+MEMORY_HISTORY_ENTRIES = 2_000_000
+"""Allocator events a memory snapshot keeps (the newest): a 7B step under ZeRO-3 makes ~50,000."""
+
+logger = logging.getLogger(__name__)
 
 _PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "4090": 165e12}
 """Dense bf16 tensor-core peaks from the vendors' datasheets (no sparsity)."""
@@ -95,3 +101,23 @@ def frozen_heap() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+@contextlib.contextmanager
+def allocator_history(folder: str, rank: int, device: torch.device) -> Iterator[None]:
+    """With ``folder`` (``train.memory_snapshot_dir``) on a GPU: record the CUDA caching allocator's
+    history (every allocation, free and segment mapping with its Python stack) and write it as
+    ``<folder>/rank<rank>.pickle`` when the block ends, also where it ends in an error (an
+    out-of-memory one included)."""
+    if not folder or device.type != "cuda":
+        yield
+        return
+    path = Path(folder).expanduser() / f"rank{rank}.pickle"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES, context="alloc", stacks="python")
+    try:
+        yield
+    finally:
+        torch.cuda.memory._dump_snapshot(str(path))
+        torch.cuda.memory._record_memory_history(enabled=None)
+        logger.info("CUDA allocator history of rank %d written to %s", rank, path)

@@ -100,43 +100,45 @@ def _train(plan: WorkerPlan, place: Place, zero3: Zero3Loading, ulysses: Ulysses
         perf.reset_memory_peaks(device)
     clear_stale_build_locks()
 
-    batches = MicroBatches(
-        place.rows("train"),
-        micro_batch_size=cfg.train.micro_batch_size,
-        max_seq_length=cfg.data.max_seq_length,
-        packing=cfg.data.packing,
-        pad_id=0,  # set once the tokenizer is loaded
-        seed=cfg.train.seed,
-        width_multiple=cfg.scaling.sequence_parallel_size,
-    )
-    total_steps = _total_steps(cfg, batches.batches_per_epoch(), device)
-    data_ready = time.perf_counter()
+    # Recorded from before the model loads, so that its weights are in the history too.
+    with perf.allocator_history(cfg.train.memory_snapshot_dir, rank, device):
+        batches = MicroBatches(
+            place.rows("train"),
+            micro_batch_size=cfg.train.micro_batch_size,
+            max_seq_length=cfg.data.max_seq_length,
+            packing=cfg.data.packing,
+            pad_id=0,  # set once the tokenizer is loaded
+            seed=cfg.train.seed,
+            width_multiple=cfg.scaling.sequence_parallel_size,
+        )
+        total_steps = _total_steps(cfg, batches.batches_per_epoch(), device)
+        data_ready = time.perf_counter()
 
-    tokenizer = load_tokenizer(cfg.model)
-    batches.pad_id = tokenizer.pad_token_id
-    model = build_model(cfg, ds_config, total_steps, zero3=zero3, ulysses=ulysses, device=device)
-    model_ready = time.perf_counter()
-    trainable, total = adapters.parameter_counts(model)
-    log_rank0("model %s: %s trainable of %s parameters (%.3f%%), method %s, ZeRO-%d%s, world %d%s",
-              cfg.model.name_or_path, f"{trainable:,}", f"{total:,}", 100 * trainable / total, cfg.adapter.method,
-              cfg.deepspeed.stage, _offload_label(cfg), world,
-              f" (sequence parallel {ulysses.sp} × data parallel {world // ulysses.sp})" if ulysses.sp > 1 else "")
+        tokenizer = load_tokenizer(cfg.model)
+        batches.pad_id = tokenizer.pad_token_id
+        model = build_model(cfg, ds_config, total_steps, zero3=zero3, ulysses=ulysses, device=device)
+        model_ready = time.perf_counter()
+        trainable, total = adapters.parameter_counts(model)
+        log_rank0("model %s: %s trainable of %s parameters (%.3f%%), method %s, ZeRO-%d%s, world %d%s",
+                  cfg.model.name_or_path, f"{trainable:,}", f"{total:,}", 100 * trainable / total, cfg.adapter.method,
+                  cfg.deepspeed.stage, _offload_label(cfg), world,
+                  f" (sequence parallel {ulysses.sp} × data parallel {world // ulysses.sp})" if ulysses.sp > 1 else "")
 
-    engine = initialize_engine(model, cfg, ds_config, total_steps, mpu=ulysses.mpu)
-    if cfg.adapter.method == "adalora":
-        # AdaLoRA reads the gradients after the optimizer step and before they are zeroed.
-        engine.optimizer.register_step_post_hook(lambda *_: engine.module.base_model.update_and_allocate(engine.global_steps))
+        engine = initialize_engine(model, cfg, ds_config, total_steps, mpu=ulysses.mpu)
+        if cfg.adapter.method == "adalora":
+            # AdaLoRA reads the gradients after the optimizer step and before they are zeroed.
+            engine.optimizer.register_step_post_hook(lambda *_: engine.module.base_model.update_and_allocate(engine.global_steps))
 
-    start_step = snapshot.restore(engine, rank, place.checkpoint(), adapter_only=cfg.adapter.is_peft(), packing=cfg.data.packing)
-    now = time.perf_counter()
-    log_rank0("worker ready in %.1f s: process group and data shard %.1f s, model %.1f s, DeepSpeed engine%s %.1f s",
-              now - started, data_ready - started, model_ready - data_ready, " and checkpoint" if start_step else "", now - model_ready)
-    stream = map(ulysses.shard, batches.iterate(start=start_step * cfg.train.grad_accum_steps))
-    setup = _Setup(plan=plan, place=place, ctx=ctx, rank=rank, world=world, ulysses=ulysses, device=device, tokenizer=tokenizer, engine=engine,
-                   total_steps=total_steps, trainable=trainable, total=total,
-                   flops_per_token=perf.train_flops_per_token(total, trainable, cfg.adapter.method == "full"),
-                   peak_flops=perf.peak_flops(device) * world)
-    _loop(setup, stream, start_step)
+        start_step = snapshot.restore(engine, rank, place.checkpoint(), adapter_only=cfg.adapter.is_peft(), packing=cfg.data.packing)
+        now = time.perf_counter()
+        log_rank0("worker ready in %.1f s: process group and data shard %.1f s, model %.1f s, DeepSpeed engine%s %.1f s",
+                  now - started, data_ready - started, model_ready - data_ready, " and checkpoint" if start_step else "", now - model_ready)
+        stream = map(ulysses.shard, batches.iterate(start=start_step * cfg.train.grad_accum_steps))
+        setup = _Setup(plan=plan, place=place, ctx=ctx, rank=rank, world=world, ulysses=ulysses, device=device, tokenizer=tokenizer, engine=engine,
+                       total_steps=total_steps, trainable=trainable, total=total,
+                       flops_per_token=perf.train_flops_per_token(total, trainable, cfg.adapter.method == "full"),
+                       peak_flops=perf.peak_flops(device) * world)
+        _loop(setup, stream, start_step)
 
 
 def _loop(s: _Setup, stream: Iterator[Batch], start_step: int) -> None:
