@@ -472,19 +472,26 @@ def memory_snapshot_dir(run: Run, ws: Workspace) -> Path:
 
 
 def write_memory_traces(run: Run, ws: Workspace, out: Path) -> None:
-    """A zerolab run's allocator histories (``train.memory_snapshot_dir``), one per rank, as text:
-    what was allocated at the peak (``bench/memory_trace.peak_breakdown``) and why the allocator
-    reserved more (``segment_report``); the histories themselves (hundreds of MB) are deleted."""
+    """A zerolab run's allocator histories (``train.memory_snapshot_dir``), one per rank, as text
+    (``<out>``): what was allocated at the peak (``bench/memory_trace.peak_breakdown``) and why the
+    allocator reserved more (``segment_report``); and each rank's history in
+    ``bench/memory_trace.compact``'s form beside it (``<out stem>.rank<N>.json.gz``, a few MB, for
+    further reading). The histories themselves (hundreds of MB) are deleted."""
+    import gzip
     import pickle
 
-    from bench.memory_trace import format_breakdown, peak_breakdown, segment_report
+    from bench.memory_trace import compact, format_breakdown, peak_breakdown, segment_report
 
     parts = []
     for path in sorted(memory_snapshot_dir(run, ws).glob("rank*.pickle")):
         snapshot = pickle.loads(path.read_bytes())
         device = next(i for i, trace in enumerate(snapshot["device_traces"]) if trace)
-        parts += [f"===== {path.stem}: allocated at the peak", format_breakdown(peak_breakdown(snapshot, 0, device)),
-                  f"===== {path.stem}: reserved beyond allocated", segment_report(snapshot, device)]
+        small = compact(snapshot, device)
+        del snapshot
+        with gzip.open(out.with_name(f"{out.name.removesuffix('.txt')}.{path.stem}.json.gz"), "wt") as f:
+            json.dump(small, f)
+        parts += [f"===== {path.stem}: allocated at the peak", format_breakdown(peak_breakdown(small, 0, device)),
+                  f"===== {path.stem}: reserved beyond allocated", segment_report(small, device)]
         path.unlink()
     out.write_text("\n".join(parts) + "\n" if parts else "no allocator history was written\n")
 

@@ -10,6 +10,7 @@ terms are checked against what a run holds.
 
 from __future__ import annotations
 
+import re
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -60,9 +61,9 @@ def peak_breakdown(snapshot: dict[str, Any], before: int, device: int = 0) -> di
                 freed_from_before += ev["size"]
     groups: dict[str, list[int]] = defaultdict(list)
     for ev in peak_live.values():
-        groups[_site(ev.get("frames", []))].append(ev["size"])
+        groups[_site_of(ev)].append(ev["size"])
     return {"before": before, "peak": peak, "freed_from_before_peak": freed_at_peak, "events": len(events),
-            "peak_at": _site(events[peak_index].get("frames", [])) if peak_index >= 0 else "",
+            "peak_at": _site_of(events[peak_index]) if peak_index >= 0 else "",
             "groups": sorted(((site, sum(sizes), sorted(sizes, reverse=True)) for site, sizes in groups.items()),
                              key=lambda g: -g[1])}
 
@@ -79,7 +80,7 @@ def _site(frames: list[dict[str, Any]], depth: int = 2) -> str:
 
 
 def _frame(frame: dict[str, Any]) -> str:
-    path = frame["filename"]
+    path = re.sub(r"^.*/_ray_pkg_[0-9a-f]+/", "", frame["filename"])  # zerolab as Ray ships it to the workers
     for marker in ("site-packages/", "site/", "platform/", "bench/"):
         if marker in path:
             path = path.split(marker, 1)[1]
@@ -102,91 +103,133 @@ def format_breakdown(result: dict[str, Any], top: int = 25) -> str:
     return "\n".join(lines)
 
 
-def segment_report(snapshot: dict[str, Any], device: int = 0, last: int = 3, holes: int = 8) -> str:
+def segment_report(snapshot: dict[str, Any], device: int = 0, last: int = 2, holes: int = 6) -> str:
     """Why the allocator reserved more than it allocated: replay ``device``'s history (a
-    ``train.memory_snapshot_dir`` file, or :func:`torch.cuda.memory._snapshot`) with the segments
-    each CUDA stream mapped, and describe the last ``last`` times the reserved total grew to a new
-    peak: the request that grew it, what each stream held allocated and mapped, and the free holes of
-    the requesting stream that were too small for it (each with the lines that allocated the live
-    blocks on either side: what keeps the hole from joining the free end of the segment).
+    ``train.memory_snapshot_dir`` file, :func:`torch.cuda.memory._snapshot`, or :func:`compact`'s
+    form of either) with the ranges each CUDA stream mapped and unmapped. For each stream: its own
+    peaks of allocated and mapped bytes, and the last ``last`` times its mapping grew to a new peak:
+    the request that grew it, what every stream held then, and the requesting stream's free holes
+    that were too small for it (each with the lines that allocated the live blocks on either side:
+    what keeps the hole from joining the free end of the segment).
 
     The caching allocator keeps each stream's blocks apart, and with expandable segments a request that
     no free range of its stream fits maps new memory at the end of that stream's segment: reserved
     grows by the request less the free tail it extends."""
     events = snapshot["device_traces"][device]
-    live: dict[int, tuple[int, int, list]] = {}  # addr -> (size, stream, frames)
-    mapped: dict[int, dict[int, int]] = defaultdict(dict)  # stream -> {addr: size}
-    alloc_by_stream: Counter[int] = Counter()
-    reserved = peak_reserved = 0
-    peak_allocated = 0
-    growths: list[dict[str, Any]] = []
+    live: dict[int, tuple[int, int, str]] = {}  # addr -> (size, stream, site)
+    mapped: dict[int, list[list[int]]] = defaultdict(list)  # stream -> sorted, merged [lo, hi) ranges
+    alloc: Counter[int] = Counter()
+    alloc_peak: Counter[int] = Counter()
+    mapped_peak: Counter[int] = Counter()
+    reserved = reserved_peak = allocated_peak = 0
+    growths: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for i, ev in enumerate(events):
         action, stream = ev["action"], ev.get("stream", 0)
         if action == "alloc":
-            live[ev["addr"]] = (ev["size"], stream, ev.get("frames", []))
-            alloc_by_stream[stream] += ev["size"]
-            peak_allocated = max(peak_allocated, sum(alloc_by_stream.values()))
+            live[ev["addr"]] = (ev["size"], stream, _site_of(ev, 1))
+            alloc[stream] += ev["size"]
+            alloc_peak[stream] = max(alloc_peak[stream], alloc[stream])
+            allocated_peak = max(allocated_peak, sum(alloc.values()))
         elif action == "free_completed" and ev["addr"] in live:
-            size, s, _ = live.pop(ev["addr"])
-            alloc_by_stream[s] -= size
+            size, owner, _ = live.pop(ev["addr"])
+            alloc[owner] -= size
         elif action in ("segment_map", "segment_alloc"):
-            if reserved + ev["size"] > peak_reserved:  # described as it was before the mapping
-                peak_reserved = reserved + ev["size"]
+            own = _span(mapped[stream])
+            if own + ev["size"] > mapped_peak[stream]:  # described as it was before the mapping
                 request = next((e for e in events[i + 1:i + 50] if e["action"] == "alloc" and e.get("stream", 0) == stream), None)
-                growths.append({"event": i, "stream": stream, "grew": ev["size"], "reserved": peak_reserved,
-                                "request": request, "allocated": dict(alloc_by_stream),
-                                "mapped": {s: sum(r.values()) for s, r in mapped.items()},
-                                "holes": _holes(live, mapped[stream], stream)})
-            mapped[stream][ev["addr"]] = ev["size"]
+                growths[stream].append({"event": i, "grew": ev["size"], "to": own + ev["size"], "request": request,
+                                        "allocated": dict(alloc), "mapped": {st: _span(r) for st, r in mapped.items()},
+                                        "holes": _holes(live, mapped[stream], stream)})
+                del growths[stream][:-last]
+            _add_range(mapped[stream], ev["addr"], ev["addr"] + ev["size"])
+            mapped_peak[stream] = max(mapped_peak[stream], own + ev["size"])
             reserved += ev["size"]
+            reserved_peak = max(reserved_peak, reserved)
         elif action in ("segment_unmap", "segment_free"):
-            if mapped[stream].pop(ev["addr"], None) is not None:
-                reserved -= ev["size"]
-    end_reserved = sum(seg["total_size"] for seg in snapshot["segments"] if seg.get("device", device) == device)
-    lines = [f"{len(events)} events; reserved peak {peak_reserved / GIB:.3f} GiB replayed (segments held at the end: "
-             f"{end_reserved / GIB:.3f}; what was mapped before the history began is not in the replay); allocated peak "
-             f"{peak_allocated / GIB:.3f} GiB replayed; {len(growths)} growths to a new reserved peak"]
-    by_stream: dict[int, list[int]] = defaultdict(lambda: [0, 0])
-    for seg in snapshot["segments"]:
-        by_stream[seg.get("stream", 0)][0] += seg["total_size"]
-        by_stream[seg.get("stream", 0)][1] += seg["allocated_size"]
-    for stream, (total, allocated) in sorted(by_stream.items()):
-        lines.append(f"  at the end, stream {stream:#x}: {total / GIB:.3f} GiB in segments, {allocated / GIB:.3f} allocated")
-    for g in growths[-last:]:
-        req = g["request"]
-        what = f"{req['size'] / 2**20:.1f} MiB at {_site(req.get('frames', []))}" if req else "?"
-        lines.append(f"growth at event {g['event']}: +{g['grew'] / 2**20:.1f} MiB to {g['reserved'] / GIB:.3f} GiB on stream "
-                     f"{g['stream']:#x}, for {what}")
-        for s in sorted(set(g["mapped"]) | set(g["allocated"])):
-            lines.append(f"    stream {s:#x} before it: allocated {g['allocated'].get(s, 0) / GIB:.3f} GiB of "
-                         f"{g['mapped'].get(s, 0) / GIB:.3f} mapped")
-        free = g["holes"]
-        lines.append(f"    its stream's free holes: {sum(h[0] for h in free) / GIB:.3f} GiB in {len(free)}; the largest:")
-        for size, below, above in free[:holes]:
-            lines.append(f"      {size / 2**20:9.1f} MiB  between [{below}] and [{above}]")
+            reserved -= _remove_range(mapped[stream], ev["addr"], ev["addr"] + ev["size"])
+    lines = [f"{len(events)} events; replayed: reserved peak {reserved_peak / GIB:.3f} GiB, allocated peak {allocated_peak / GIB:.3f} "
+             f"GiB (what was mapped or allocated before the history began is not in the replay); segments at the end "
+             f"{sum(seg['total_size'] for seg in snapshot['segments']) / GIB:.3f} GiB"]
+    for stream in sorted(mapped_peak, key=lambda st: -mapped_peak[st]):
+        lines.append(f"stream {stream:#x}: peak allocated {alloc_peak[stream] / GIB:.3f} GiB, peak mapped {mapped_peak[stream] / GIB:.3f} GiB")
+        for g in growths[stream]:
+            req = g["request"]
+            what = f"{req['size'] / 2**20:.1f} MiB at {_site_of(req)}" if req else "?"
+            lines.append(f"  growth at event {g['event']}: +{g['grew'] / 2**20:.1f} MiB to {g['to'] / GIB:.3f} GiB, for {what}")
+            lines.append("    before it, allocated / mapped GiB by stream: " + ", ".join(
+                f"{st:#x} {g['allocated'].get(st, 0) / GIB:.3f} / {g['mapped'].get(st, 0) / GIB:.3f}"
+                for st in sorted(set(g["mapped"]) | set(g["allocated"]))))
+            free = g["holes"]
+            lines.append(f"    the stream's free holes: {sum(h[0] for h in free) / GIB:.3f} GiB in {len(free)}; the largest:")
+            for size, below, above in free[:holes]:
+                lines.append(f"      {size / 2**20:9.1f} MiB  between [{below}] and [{above}]")
     return "\n".join(lines)
 
 
-def _holes(live: dict[int, tuple[int, int, list]], ranges: dict[int, int], stream: int) -> list[tuple[int, str, str]]:
+def compact(snapshot: dict[str, Any], device: int = 0) -> dict[str, Any]:
+    """``device``'s history with each event's stack reduced to its site (:func:`_site`), and the
+    segments without their blocks: a few MB where the snapshot is hundreds, which
+    :func:`segment_report` and :func:`peak_breakdown` read as they read the snapshot."""
+    keep = ("action", "addr", "size", "stream")
+    events = [{**{k: ev[k] for k in keep if k in ev}, "site": _site(ev.get("frames", []))} for ev in snapshot["device_traces"][device]]
+    traces: list[list[dict[str, Any]]] = [[] for _ in snapshot["device_traces"]]
+    traces[device] = events
+    segments = [{k: seg[k] for k in ("device", "stream", "total_size", "allocated_size") if k in seg}
+                for seg in snapshot["segments"] if seg.get("device", device) == device]
+    return {"device_traces": traces, "segments": segments}
+
+
+def _site_of(ev: dict[str, Any], depth: int = 2) -> str:
+    return ev["site"] if "site" in ev else _site(ev.get("frames", []), depth)
+
+
+def _span(ranges: list[list[int]]) -> int:
+    return sum(hi - lo for lo, hi in ranges)
+
+
+def _add_range(ranges: list[list[int]], lo: int, hi: int) -> None:
+    ranges.append([lo, hi])
+    ranges.sort()
+    merged = [ranges[0]]
+    for r in ranges[1:]:
+        if r[0] <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], r[1])
+        else:
+            merged.append(r)
+    ranges[:] = merged
+
+
+def _remove_range(ranges: list[list[int]], lo: int, hi: int) -> int:
+    """Remove [lo, hi) from ``ranges``; returns the bytes that were mapped there."""
+    kept, removed = [], 0
+    for a, b in ranges:
+        if b <= lo or a >= hi:
+            kept.append([a, b])
+            continue
+        removed += min(b, hi) - max(a, lo)
+        if a < lo:
+            kept.append([a, lo])
+        if b > hi:
+            kept.append([hi, b])
+    ranges[:] = kept
+    return removed
+
+
+def _holes(live: dict[int, tuple[int, int, str]], ranges: list[list[int]], stream: int) -> list[tuple[int, str, str]]:
     """The free ranges inside ``stream``'s mapped ``ranges`` (size, and the allocating sites of the
     live blocks below and above), largest first."""
-    spans: list[list[int]] = []
-    for addr in sorted(ranges):
-        if spans and spans[-1][1] == addr:
-            spans[-1][1] = addr + ranges[addr]
-        else:
-            spans.append([addr, addr + ranges[addr]])
-    blocks = sorted((a, size, frames) for a, (size, s, frames) in live.items() if s == stream)
+    blocks = sorted((a, size, site) for a, (size, s, site) in live.items() if s == stream)
     found: list[tuple[int, str, str]] = []
     j = 0
-    for lo, hi in spans:
+    for lo, hi in ranges:
+        while j < len(blocks) and blocks[j][0] < lo:
+            j += 1
         cursor, below = lo, "segment start"
         while j < len(blocks) and blocks[j][0] < hi:
-            a, size, frames = blocks[j]
-            if a >= lo:
-                if a > cursor:
-                    found.append((a - cursor, below, _site(frames, 1)))
-                cursor, below = a + size, _site(frames, 1)
+            a, size, site = blocks[j]
+            if a > cursor:
+                found.append((a - cursor, below, site))
+            cursor, below = max(cursor, a + size), site
             j += 1
         if hi > cursor:
             found.append((hi - cursor, below, "segment end"))

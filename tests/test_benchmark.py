@@ -112,7 +112,7 @@ def test_the_segment_report_finds_the_hole_a_request_did_not_fit(monkeypatch):
     end, then asks for 50 MiB: the allocator maps more. The report names that growth, the request's
     line, the 40 MiB hole and the live block above it; another stream's blocks are kept apart."""
     monkeypatch.syspath_prepend(str(REPO))
-    from bench.memory_trace import segment_report
+    from bench.memory_trace import compact, segment_report
 
     mib = 2**20
 
@@ -130,9 +130,13 @@ def test_the_segment_report_finds_the_hole_a_request_did_not_fit(monkeypatch):
         {"device": 0, "stream": 0, "total_size": 150 * mib, "allocated_size": 110 * mib},
         {"device": 0, "stream": 7, "total_size": 30 * mib, "allocated_size": 10 * mib}]}
     report = segment_report(snapshot, last=1)
-    assert "reserved peak 0.176 GiB replayed" in report  # 180 MiB
-    assert "growth at event 8: +50.0 MiB" in report and "for 50.0 MiB at zerolab/model_code.py:4 f" in report
-    assert "stream 0x0 before it: allocated 0.059 GiB of 0.098 mapped" in report  # 60 of 100 MiB
-    assert "stream 0x7 before it: allocated 0.010 GiB of 0.029 mapped" in report
-    assert "its stream's free holes: 0.039 GiB in 1" in report
+    assert "replayed: reserved peak 0.176 GiB, allocated peak 0.117 GiB" in report  # 180 and 120 MiB
+    assert "stream 0x0: peak allocated 0.107 GiB, peak mapped 0.146 GiB" in report  # 110 and 150 MiB
+    assert "growth at event 8: +50.0 MiB to 0.146 GiB, for 50.0 MiB at zerolab/model_code.py:4 f" in report
+    assert "allocated / mapped GiB by stream: 0x0 0.059 / 0.098, 0x7 0.010 / 0.029" in report
+    assert "the stream's free holes: 0.039 GiB in 1" in report
     assert "40.0 MiB  between [segment start] and [zerolab/model_code.py:2 f]" in report
+    # Unmapping a part of a range takes it out of the reserved bytes, and the compact form reads the same.
+    unmapped = {**snapshot, "device_traces": [[*trace, ev("segment_unmap", 120, 30), ev("segment_map", 2000, 20)]]}
+    assert "reserved peak 0.176 GiB" in segment_report(unmapped)  # 180 - 30 + 20: no new peak
+    assert segment_report(compact(unmapped)) == segment_report(unmapped)

@@ -280,7 +280,7 @@ def test_a_memory_snapshot_records_each_ranks_allocator_history(gpu_ray, tmp_pat
     assert {"alloc", "free_completed", "segment_map"} <= actions  # expandable segments map; the model's weights are allocated
     breakdown = peak_breakdown(snapshot, 0, device)
     assert breakdown["peak"] > 0 and any("zerolab" in site for site, _, _ in breakdown["groups"])
-    assert "growths to a new reserved peak" in segment_report(snapshot, device)
+    assert "replayed: reserved peak" in segment_report(snapshot, device)
 
 
 def history(result: RunResult, metric: str) -> list[float]:
