@@ -367,9 +367,9 @@ SUITES: dict[str, list[Run]] = {
             overrides=("model.quantization=nf4",)),
         Run("trl", "qwen2.5-7b", steps=12, window=6, checkpointing=True, attn="auto", variant=f"nf4-mb1-ckpt-rep{rep}", timeout_s=300,
             overrides=("model.quantization=nf4",)))],
-    # The held-out check of the estimate's ZeRO-3 cache with split rows or a 4-bit base
-    # (Calibration.reserved_factor_zero3_split_or_4bit, fitted to 14B nf4 and 7B rows of 16K and 128K
-    # split over two GPUs): shapes and lengths it was not fitted to, over two GPUs.
+    # The held-out checks of the estimate's ZeRO-3 reserved memory over two GPUs. zero3-cache-heldout: shapes
+    # and lengths the measured share of the time was not fitted to; zero3-pools-heldout: those the
+    # stream pools' pending layers (Calibration.gather_pending_layers_per_doubling) were not fitted to.
     "zero3-cache-heldout": [
         Run("zerolab", "qwen2.5-7b", gpus=2, stage=3, steps=8, window=4, checkpointing=True, variant="nf4-mb1-ckpt", timeout_s=420,
             overrides=("model.quantization=nf4",)),
@@ -377,6 +377,12 @@ SUITES: dict[str, list[Run]] = {
             timeout_s=420, overrides=("scaling.sequence_parallel_size=2",)),
         Run("zerolab", "qwen2.5-0.5b", gpus=2, stage=3, micro_batch=2, steps=8, window=4, variant="nf4-mb2", timeout_s=300,
             overrides=("model.quantization=nf4",))],
+    "zero3-pools-heldout": [
+        Run("zerolab", "qwen2.5-7b", gpus=2, stage=3, micro_batch=2, steps=6, window=3, checkpointing=True, variant="mb2-ckpt", timeout_s=300),
+        Run("zerolab", "qwen2.5-7b", gpus=2, stage=3, row_tokens=65536, steps=4, window=2, checkpointing=True, variant="sp2-rows64k-ckpt",
+            timeout_s=420, overrides=("scaling.sequence_parallel_size=2",)),
+        Run("zerolab", "qwen2.5-7b", gpus=2, stage=3, micro_batch=2, steps=6, window=3, checkpointing=True, variant="nf4-mb2-ckpt",
+            timeout_s=300, overrides=("model.quantization=nf4",))],
     # The held-out check of what LLM.int8()'s product keeps per token (zerolab.memory.activations.int8_held_inputs,
     # fitted to 7B at one checkpointed 4k row): twice the tokens, and the 0.5B shape without checkpointing.
     "int8-heldout": [

@@ -51,16 +51,15 @@ class Calibration:
     reserved_factor_zero3: float = 1.049
     """The same under ZeRO-3, which gathers and frees every frozen weight each pass (measured
     1.04-1.06 with LoRA without parameter offload)."""
-    reserved_factor_zero3_split_or_4bit: float = 1.18
-    """ZeRO-3 without parameter offload where each row is split over GPUs (sequence parallelism) or the
-    base is 4-bit: the allocator kept 1.16-1.24 × the peak allocated reserved there (lease h200x4-65:
-    7B rows split over two H200s at 16K, 1.16, and 128K, 1.22 of the measured peak; 14B nf4 over two,
-    1.24), which no term of the estimate accounts for block by block yet. Fitted to those three runs:
-    the value whose estimates fall within −5% .. +8% of all three (1.15-1.23 of the estimated
-    peak). Held out (h200x2-72, two H200s each): 7B nf4 one row +4.3%, 0.5B nf4 two rows without
-    checkpointing +15.1% (the allocator kept 1.03 × the peak), 7B rows split at 32K −9.0% (1.30):
-    one share does not describe that cache. int8 under ZeRO-3 (1.047) and whole 7B rows
-    under ZeRO-3 (1.07 at four 4k rows) keep ``reserved_factor_zero3``."""
+    gather_pending_layers_per_doubling: float = 5.0
+    """ZeRO-3 without parameter offload: decoder layers' gathered weights that the all-gather stream's
+    pool still holds after DeepSpeed released them, for each doubling of a GPU's tokens per micro-batch
+    past 4,096 (at most every layer: :func:`~zerolab.memory.terms.gather_pending`). The host releases
+    a layer once it has queued its kernels; the block is reusable only once the GPU has run them, so
+    the further the GPU lags (the longer its work per layer), the more released layers the pool
+    holds. Traced (7B split over two H200s at 32K rows, lease h200x2-80): 3.8 GiB allocated and 5.2
+    pending free at that pool's peak. Fitted to the pools of the 7B's runs at 8K, 16K and 64K tokens
+    per GPU (h200x4-65, h200x2-72): 5.4, 10.8-12.4 and 17.5 layers; 0.7 at 4K."""
     reserved_param_offload_factor: float = 1.54
     """ZeRO-3 with parameter offload: the allocator keeps the buffers of the largest gathered
     parameter cached between its uses (its partition copied from the host and its gathered whole),

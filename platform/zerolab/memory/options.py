@@ -89,6 +89,9 @@ class Estimate:
     reserved_share: str
     """The Calibration constant for the share of the peak the allocator keeps cached otherwise
     (``zerolab.memory.terms.reserved_share``)."""
+    device_stream_pools: dict[str, int]
+    """ZeRO-3 without parameter offload: the peak of each CUDA stream's pool, which the allocator keeps
+    apart (``zerolab.memory.terms.stream_pools``); reserved is at least their sum. Empty otherwise."""
     host_worker: dict[str, int]
     """Per worker process (``checkpoint save`` on rank 0 only)."""
     host_worker_phases: dict[str, int]
@@ -124,7 +127,9 @@ class Estimate:
         # (the churn of many activation-sized blocks, LoRA's case) and one large block freed and
         # allocated again each step, cached where it no longer fits (full fine-tuning's logits and
         # gradient copies, parameter offload's gather buffers).
-        return self.device_peak + max(int(self.device_peak * (self.reserved_factor - 1)), max(self.device_cached.values(), default=0))
+        # Under ZeRO-3 the gathered weights have a pool of their own, peaking at another moment.
+        cached = max(int(self.device_peak * (self.reserved_factor - 1)), max(self.device_cached.values(), default=0))
+        return max(self.device_peak + cached, sum(self.device_stream_pools.values()))
 
     @property
     def reserved_factor(self) -> float:

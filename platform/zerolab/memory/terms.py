@@ -3,6 +3,8 @@ model's parameters, their gradients and the optimizer — bytes per worker, one 
 
 from __future__ import annotations
 
+import math
+
 from zerolab.memory.context import EstimateContext
 from zerolab.memory.shapes import PROJECTIONS
 from zerolab.quantization import FOUR_BIT, bytes_per_row, bytes_per_weight
@@ -398,13 +400,45 @@ def largest_gathered(job: EstimateContext) -> int:
 def reserved_share(job: EstimateContext) -> str:
     """The :class:`~zerolab.memory.calibration.Calibration` constant that gives peak reserved / peak
     allocated where the churn of many blocks decides it (:attr:`~zerolab.memory.options.Estimate.device_reserved`):
-    ZeRO 0-2's (an int8 base's of its own), ZeRO-3's, or ZeRO-3's with each row split over GPUs or a
-    4-bit base (measured, not derived: the allocator kept more cached there, lease h200x4-65)."""
+    ZeRO 0-2's (an int8 base's of its own) or ZeRO-3's (which :func:`stream_pools` may exceed)."""
     if job.stage < 3:
         return "reserved_factor_int8" if job.quantization == "int8" else "reserved_factor"
-    if not job.offload_param and (job.sp > 1 or job.quantization in FOUR_BIT):
-        return "reserved_factor_zero3_split_or_4bit"
     return "reserved_factor_zero3"
+
+
+def layer_gathered_bytes(job: EstimateContext) -> int:
+    """ZeRO-3: one decoder layer's weights gathered whole (as stored: a 4-bit base's packed)."""
+    return sum(job.stored_bytes(p) for p in job.inv if p.module.startswith("layers.") and not job.persistent(p))
+
+
+def gather_pending(job: EstimateContext) -> int:
+    """ZeRO-3 without parameter offload: the gathered layers released by the host but not yet by the
+    GPU, which the all-gather stream's pool holds beside the gathered ones
+    (``Calibration.gather_pending_layers_per_doubling`` per doubling of the tokens per micro-batch
+    past 4,096, at most every layer). 0 where the step is host-bound (4K tokens and fewer)."""
+    if not job.gathers() or job.offload_param or not job.gpu:
+        return 0
+    doublings = math.log2(max(job.tokens, 1) / 4096)
+    layers = min(job.shape.num_layers, max(0.0, job.cal.gather_pending_layers_per_doubling * doublings))
+    return int(layers * layer_gathered_bytes(job))
+
+
+def stream_pools(job: EstimateContext, phases: dict[str, int]) -> dict[str, int]:
+    """ZeRO-3 without parameter offload on GPUs: the peak of each CUDA stream's pool. torch's caching
+    allocator never gives one stream's free blocks to another, and DeepSpeed gathers parameters on its
+    own stream (``__allgather_stream``): the gathered weights have a pool of their own, whose peak
+    (the most gathered, plus :func:`gather_pending`) comes at another moment than the main stream's.
+    The main stream's: each phase without its gathered weights, with the allocator's churn
+    (``reserved_factor_zero3``), and on a 4-bit base its load (:func:`quantized_load`), whose range
+    it keeps (an int8 load's range goes to the gathers: 14B over two H200s, reserved 1.05 × the load).
+    Traced over two H200s (lease h200x2-80): 7B split at 32K rows, main 13.77 GiB and gathers 8.98;
+    7B nf4, 5.81 (at the load) and 4.10; 14B nf4, 10.17 (at the load) and 5.85. Empty otherwise."""
+    if not job.gathers() or job.offload_param or not job.gpu:
+        return {}
+    held = {"forward/backward": gathered(job), "forward start": gathered_at_start(job)}
+    main = max(v - held.get(k, 0) for k, v in phases.items() if k != "quantized load" or job.quantization in FOUR_BIT)
+    return {"main stream": int(main * job.cal.reserved_factor_zero3),
+            "all-gather stream": max(held.values()) + gather_pending(job)}
 
 
 def cached_blocks(job: EstimateContext) -> dict[str, int]:
