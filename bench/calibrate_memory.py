@@ -609,9 +609,9 @@ def fit_calibration(rows: list[dict[str, str]]) -> dict[str, float]:
     every GPU prediction by the same amount: its fit is the current value plus the median residual.
     Reserved memory is the allocated peak plus the larger of a share of it and the largest block
     the estimate expects cached (``zerolab.memory.terms.cached_blocks``): the share's constant
-    (``zerolab.memory.terms.reserved_share``: ``reserved_factor`` at ZeRO 0-2, ``reserved_factor_int8``, ``reserved_factor_zero3``,
-    ``reserved_factor_zero3_split_or_4bit``) is the median of measured reserved / allocated over the
-    rows without parameter offload where the estimate takes that constant and the share is the larger; ``reserved_param_offload_factor``
+    (``zerolab.memory.terms.reserved_share``: ``reserved_factor`` at ZeRO 0-2, ``reserved_factor_int8``, ``reserved_factor_zero3``)
+    is the median of measured reserved / allocated over the rows without parameter offload where the
+    estimate takes that constant and the share is the larger (not ZeRO-3's stream pools, ``terms.stream_pools``); ``reserved_param_offload_factor``
     the median of measured (reserved − allocated) / the largest gathered parameter's bytes over the
     rows with parameter offload where those buffers are the largest cached block. On GPU what a
     worker holds before a lazy load (``host_gpu_before_load_bytes``) is the smallest value that
@@ -631,7 +631,8 @@ def fit_calibration(rows: list[dict[str, str]]) -> dict[str, float]:
         by_share: dict[str, list[dict[str, str]]] = {}
         for r in with_overrides:
             est = _estimate_of(r)
-            if not _param_offload(r) and est.device_peak * (est.reserved_factor - 1) >= max(est.device_cached.values(), default=0):
+            share = est.device_peak + int(est.device_peak * (est.reserved_factor - 1))
+            if not _param_offload(r) and share >= est.device_peak + max(est.device_cached.values(), default=0) and share == est.device_reserved:
                 by_share.setdefault(est.reserved_share, []).append(r)
         for key, rows_of_key in by_share.items():
             fitted[key] = statistics.median(float(r["meas_gpu_reserved_gib"]) / float(r["meas_gpu_alloc_gib"]) for r in rows_of_key)

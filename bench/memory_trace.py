@@ -55,7 +55,7 @@ def peak_breakdown(snapshot: dict[str, Any], before: int, device: int = 0) -> di
             if current > peak:
                 peak, peak_index, freed_at_peak = current, i, freed_from_before
                 peak_live = dict(live)
-        elif action == "free_completed":
+        elif action == "free_requested":  # torch's allocated count drops here, before the block is reusable
             current -= ev["size"]
             if live.pop(ev["addr"], None) is None:
                 freed_from_before += ev["size"]
@@ -107,7 +107,9 @@ def segment_report(snapshot: dict[str, Any], device: int = 0, last: int = 2, hol
     """Why the allocator reserved more than it allocated: replay ``device``'s history (a
     ``train.memory_snapshot_dir`` file, :func:`torch.cuda.memory._snapshot`, or :func:`compact`'s
     form of either) with the ranges each CUDA stream mapped and unmapped. For each stream: its own
-    peaks of allocated and mapped bytes, and the last ``last`` times its mapping grew to a new peak:
+    peaks of held bytes (allocated, or freed while work queued on the GPU may still use them: a block
+    freed with ``record_stream`` uses pending is reusable only once they complete) and of mapped
+    bytes, and the last ``last`` times its mapping grew to a new peak:
     the request that grew it, what every stream held then, and the requesting stream's free holes
     that were too small for it (each with the lines that allocated the live blocks on either side:
     what keeps the hole from joining the free end of the segment).
@@ -116,10 +118,12 @@ def segment_report(snapshot: dict[str, Any], device: int = 0, last: int = 2, hol
     no free range of its stream fits maps new memory at the end of that stream's segment: reserved
     grows by the request less the free tail it extends."""
     events = snapshot["device_traces"][device]
-    live: dict[int, tuple[int, int, str]] = {}  # addr -> (size, stream, site)
+    live: dict[int, tuple[int, int, str]] = {}  # addr -> (size, stream, site) until free_completed
     mapped: dict[int, list[list[int]]] = defaultdict(list)  # stream -> sorted, merged [lo, hi) ranges
-    alloc: Counter[int] = Counter()
+    alloc: Counter[int] = Counter()  # held: until the allocator may reuse the block (free_completed)
+    requested: Counter[int] = Counter()  # allocated as torch counts it: until the tensor is freed (free_requested)
     alloc_peak: Counter[int] = Counter()
+    pending_at_peak: Counter[int] = Counter()
     mapped_peak: Counter[int] = Counter()
     reserved = reserved_peak = allocated_peak = 0
     growths: dict[int, list[dict[str, Any]]] = defaultdict(list)
@@ -128,8 +132,12 @@ def segment_report(snapshot: dict[str, Any], device: int = 0, last: int = 2, hol
         if action == "alloc":
             live[ev["addr"]] = (ev["size"], stream, _site_of(ev, 1))
             alloc[stream] += ev["size"]
-            alloc_peak[stream] = max(alloc_peak[stream], alloc[stream])
-            allocated_peak = max(allocated_peak, sum(alloc.values()))
+            requested[stream] += ev["size"]
+            if alloc[stream] > alloc_peak[stream]:
+                alloc_peak[stream], pending_at_peak[stream] = alloc[stream], alloc[stream] - requested[stream]
+            allocated_peak = max(allocated_peak, sum(requested.values()))
+        elif action == "free_requested" and ev["addr"] in live:
+            requested[live[ev["addr"]][1]] -= live[ev["addr"]][0]
         elif action == "free_completed" and ev["addr"] in live:
             size, owner, _ = live.pop(ev["addr"])
             alloc[owner] -= size
@@ -151,7 +159,8 @@ def segment_report(snapshot: dict[str, Any], device: int = 0, last: int = 2, hol
              f"GiB (what was mapped or allocated before the history began is not in the replay); segments at the end "
              f"{sum(seg['total_size'] for seg in snapshot['segments']) / GIB:.3f} GiB"]
     for stream in sorted(mapped_peak, key=lambda st: -mapped_peak[st]):
-        lines.append(f"stream {stream:#x}: peak allocated {alloc_peak[stream] / GIB:.3f} GiB, peak mapped {mapped_peak[stream] / GIB:.3f} GiB")
+        lines.append(f"stream {stream:#x}: peak held {alloc_peak[stream] / GIB:.3f} GiB (of which freed, the GPU's use of it still "
+                     f"pending: {pending_at_peak[stream] / GIB:.3f}), peak mapped {mapped_peak[stream] / GIB:.3f} GiB")
         for g in growths[stream]:
             req = g["request"]
             what = f"{req['size'] / 2**20:.1f} MiB at {_site_of(req)}" if req else "?"

@@ -131,7 +131,7 @@ def test_the_segment_report_finds_the_hole_a_request_did_not_fit(monkeypatch):
         {"device": 0, "stream": 7, "total_size": 30 * mib, "allocated_size": 10 * mib}]}
     report = segment_report(snapshot, last=1)
     assert "replayed: reserved peak 0.176 GiB, allocated peak 0.117 GiB" in report  # 180 and 120 MiB
-    assert "stream 0x0: peak allocated 0.107 GiB, peak mapped 0.146 GiB" in report  # 110 and 150 MiB
+    assert "stream 0x0: peak held 0.107 GiB (of which freed, the GPU's use of it still pending: 0.000), peak mapped 0.146 GiB" in report
     assert "growth at event 8: +50.0 MiB to 0.146 GiB, for 50.0 MiB at zerolab/model_code.py:4 f" in report
     assert "allocated / mapped GiB by stream: 0x0 0.059 / 0.098, 0x7 0.010 / 0.029" in report
     assert "the stream's free holes: 0.039 GiB in 1" in report
@@ -140,3 +140,6 @@ def test_the_segment_report_finds_the_hole_a_request_did_not_fit(monkeypatch):
     unmapped = {**snapshot, "device_traces": [[*trace, ev("segment_unmap", 120, 30), ev("segment_map", 2000, 20)]]}
     assert "reserved peak 0.176 GiB" in segment_report(unmapped)  # 180 - 30 + 20: no new peak
     assert segment_report(compact(unmapped)) == segment_report(unmapped)
+    # A block freed while another stream's queued work may use it stays held until that work is done.
+    pending = {**snapshot, "device_traces": [[*trace, ev("free_requested", 1000, 10, stream=7), ev("alloc", 1010, 15, stream=7)]]}
+    assert "stream 0x7: peak held 0.024 GiB (of which freed, the GPU's use of it still pending: 0.010)" in segment_report(pending)

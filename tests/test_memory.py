@@ -1086,12 +1086,16 @@ def test_memory_trace_replays_the_allocator_to_its_peak():
         return [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
                 {"filename": f"/x/site-packages/{path}", "line": line, "name": "f"}]
 
+    # torch counts a block as allocated until its tensor is freed (free_requested), though another
+    # stream's queued work may keep it from reuse longer (free_completed).
     events = [dict(action="alloc", addr=1, size=100, frames=at("a.py", 1)),
-              dict(action="free_completed", addr=99, size=50, frames=[]),  # allocated before the trace
+              dict(action="free_requested", addr=99, size=50, frames=[]),  # allocated before the trace
+              dict(action="free_completed", addr=99, size=50, frames=[]),
               dict(action="alloc", addr=2, size=300, frames=at("b.py", 2)),
               dict(action="alloc", addr=3, size=10, frames=at("a.py", 1)),
-              dict(action="free_completed", addr=2, size=300, frames=[]),
-              dict(action="alloc", addr=4, size=200, frames=at("c.py", 3))]
+              dict(action="free_requested", addr=2, size=300, frames=[]),
+              dict(action="alloc", addr=4, size=200, frames=at("c.py", 3)),
+              dict(action="free_completed", addr=2, size=300, frames=[])]
     result = trace.peak_breakdown({"device_traces": [events]}, before=1000)
     assert result["peak"] == 1000 - 50 + 100 + 300 + 10
     assert result["freed_from_before_peak"] == 50

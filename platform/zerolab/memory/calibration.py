@@ -57,7 +57,7 @@ class Calibration:
     past 4,096 (at most every layer: :func:`~zerolab.memory.terms.gather_pending`). The host releases
     a layer once it has queued its kernels; the block is reusable only once the GPU has run them, so
     the further the GPU lags (the longer its work per layer), the more released layers the pool
-    holds. Traced (7B split over two H200s at 32K rows, lease h200x2-80): 3.8 GiB allocated and 5.2
+    holds. Traced (7B split over two H200s at 32K rows, lease h200x2-81): 3.8 GiB allocated and 5.2
     pending free at that pool's peak. Fitted to the pools of the 7B's runs at 8K, 16K and 64K tokens
     per GPU (h200x4-65, h200x2-72): 5.4, 10.8-12.4 and 17.5 layers; 0.7 at 4K."""
     reserved_param_offload_factor: float = 1.54

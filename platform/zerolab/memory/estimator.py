@@ -36,6 +36,7 @@ from zerolab.memory.terms import (
     gather_pending,
     gathered,
     gathered_at_start,
+    gathered_most,
     gradient_norm_copy,
     gradients,
     master_weights,
@@ -104,8 +105,8 @@ def device_components(job: EstimateContext) -> tuple[dict[str, int], dict[str, i
     saved, recompute, grads_in_flight = activations(job), recomputed_layer(job), backward_gradients(job)
     c = {
         "weights": weights(job) + fp8_weights(job),
-        # The most gathered at once: at the start of the backward pass or of the forward pass.
-        "gathered parameters": max(gathered(job), gathered_at_start(job)),
+        # The most gathered at once, at any moment of the step.
+        "gathered parameters": gathered_most(job),
         "gradients": gradients(job),
         "master weights": master_weights(job),
         "optimizer states": optimizer_states(job),

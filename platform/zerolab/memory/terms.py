@@ -150,6 +150,12 @@ def gathered(job: EstimateContext) -> int:
     return per_module
 
 
+def gathered_most(job: EstimateContext) -> int:
+    """ZeRO-3: the most gathered at once, at the start of the backward pass or of the forward pass
+    (the all-gather stream's own peak, :func:`stream_pools`)."""
+    return max(gathered(job), gathered_at_start(job))
+
+
 def _held_by_leaf_coordinator(job: EstimateContext) -> int:
     """ZeRO-3 with leaf decoder layers: the most gathered at once in a step, by replaying DeepSpeed
     0.19.8's ``PartitionedParameterCoordinator`` on the step's module trace (the outer modules,
@@ -406,11 +412,6 @@ def reserved_share(job: EstimateContext) -> str:
     return "reserved_factor_zero3"
 
 
-def layer_gathered_bytes(job: EstimateContext) -> int:
-    """ZeRO-3: one decoder layer's weights gathered whole (as stored: a 4-bit base's packed)."""
-    return sum(job.stored_bytes(p) for p in job.inv if p.module.startswith("layers.") and not job.persistent(p))
-
-
 def gather_pending(job: EstimateContext) -> int:
     """ZeRO-3 without parameter offload: the gathered layers released by the host but not yet by the
     GPU, which the all-gather stream's pool holds beside the gathered ones
@@ -420,7 +421,7 @@ def gather_pending(job: EstimateContext) -> int:
         return 0
     doublings = math.log2(max(job.tokens, 1) / 4096)
     layers = min(job.shape.num_layers, max(0.0, job.cal.gather_pending_layers_per_doubling * doublings))
-    return int(layers * layer_gathered_bytes(job))
+    return int(layers * _layer_gathered(job))
 
 
 def stream_pools(job: EstimateContext, phases: dict[str, int]) -> dict[str, int]:
@@ -431,14 +432,13 @@ def stream_pools(job: EstimateContext, phases: dict[str, int]) -> dict[str, int]
     The main stream's: each phase without its gathered weights, with the allocator's churn
     (``reserved_factor_zero3``), and on a 4-bit base its load (:func:`quantized_load`), whose range
     it keeps (an int8 load's range goes to the gathers: 14B over two H200s, reserved 1.05 × the load).
-    Traced over two H200s (lease h200x2-80): 7B split at 32K rows, main 13.77 GiB and gathers 8.98;
+    Traced over two H200s (lease h200x2-81): 7B split at 32K rows, main 13.77 GiB and gathers 8.98;
     7B nf4, 5.81 (at the load) and 4.10; 14B nf4, 10.17 (at the load) and 5.85. Empty otherwise."""
     if not job.gathers() or job.offload_param or not job.gpu:
         return {}
     held = {"forward/backward": gathered(job), "forward start": gathered_at_start(job)}
     main = max(v - held.get(k, 0) for k, v in phases.items() if k != "quantized load" or job.quantization in FOUR_BIT)
-    return {"main stream": int(main * job.cal.reserved_factor_zero3),
-            "all-gather stream": max(held.values()) + gather_pending(job)}
+    return {"main stream": int(main * job.cal.reserved_factor_zero3), "all-gather stream": gathered_most(job) + gather_pending(job)}
 
 
 def cached_blocks(job: EstimateContext) -> dict[str, int]:
