@@ -284,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the cases and their predictions; run nothing")
     parser.add_argument("--held-out", action="store_true",
                         help="held-out check: data-aware predictions, rows in <out>/memory_heldout.{csv,md}, no constants fitted")
+    parser.add_argument("--memory-trace", action="store_true",
+                        help="record each case's CUDA allocator history (train.memory_snapshot_dir) and write it up "
+                             "in <out>/traces/<case>.memory.txt (bench/memory_trace.write_up)")
     parser.add_argument("--models", type=Path, help="folder for the random-init models (default: $ZEROLAB_CACHE/calibration)")
     parser.add_argument("--recompute", type=Path, nargs="+", metavar="CSV",
                         help="no runs: merge these CSVs, predict every row again with the current Calibration, "
@@ -330,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_minutes and time.monotonic() - start > 60 * args.max_minutes:
             print(f"stopping: --max-minutes {args.max_minutes:g} reached; rerun with --resume to go on")
             break
-        row = run_case(case, args.out, args.models, data_aware=args.held_out)
+        row = run_case(case, args.out, args.models, data_aware=args.held_out, memory_trace=args.memory_trace)
         _append_row(csv_path, row)
         print(f"{case.name}: {row['status']} | GPU alloc {row.get('pred_gpu_alloc_gib')} vs {row.get('meas_gpu_alloc_gib')} | "
               f"host {row.get('pred_host_workers_gib')} vs {row.get('meas_host_workers_gib')} GiB", flush=True)
@@ -507,10 +510,12 @@ def error_pct(row: dict[str, Any]) -> dict[str, str]:
         ("err_host_pct", "pred_host_workers_gib", "meas_host_workers_gib"))}
 
 
-def run_case(case: Case, out: Path, models: Path | None = None, *, data_aware: bool = False) -> dict[str, Any]:
+def run_case(case: Case, out: Path, models: Path | None = None, *, data_aware: bool = False,
+             memory_trace: bool = False) -> dict[str, Any]:
     """Train ``case`` and return its CSV row (status ``failed: ...`` when the run fails). ``data_aware``:
     predict from the shards of the case's data, as the run's preflight does (such rows cannot be
-    predicted again from their overrides alone)."""
+    predicted again from their overrides alone). ``memory_trace``: the workers' allocator histories,
+    written up in ``<out>/traces/<case>.memory.txt``."""
     from zerolab.config import load_config
     from zerolab.errors import root_cause
     from zerolab.run import run_sft
@@ -520,7 +525,8 @@ def run_case(case: Case, out: Path, models: Path | None = None, *, data_aware: b
     started = time.monotonic()
     try:
         path = model_path(case.shape, models)
-        cfg = load_config(None, case.overrides(path, out))
+        traces = out / "traces" / case.name
+        cfg = load_config(None, [*case.overrides(path, out), *([f"train.memory_snapshot_dir={traces}"] if memory_trace else [])])
         data = None
         if data_aware:
             from zerolab.plan import job_shard_lengths
@@ -536,6 +542,11 @@ def run_case(case: Case, out: Path, models: Path | None = None, *, data_aware: b
         row["meas_host_workers_gib"] = round(metrics["mem/host_rss_peak_gib"], 3)
         row["meas_node_used_gib"] = round(node.peak_gib, 3)
         row["status"] = "ok"
+        if memory_trace:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from memory_trace import write_up
+
+            write_up(traces, traces.with_suffix(".memory.txt"))
     except Exception as exc:  # a failed case (OOM, say) is a result too: record it and go on
         row["status"] = f"failed: {root_cause(exc)[:200]}"
     finally:

@@ -477,31 +477,6 @@ def memory_snapshot_dir(run: Run, ws: Workspace) -> Path:
     return ws.root / "memory_snapshots" / run.name
 
 
-def write_memory_traces(run: Run, ws: Workspace, out: Path) -> None:
-    """A zerolab run's allocator histories (``train.memory_snapshot_dir``), one per rank, as text
-    (``<out>``): what was allocated at the peak (``bench/memory_trace.peak_breakdown``) and why the
-    allocator reserved more (``segment_report``); and each rank's history in
-    ``bench/memory_trace.compact``'s form beside it (``<out stem>.rank<N>.json.gz``, a few MB, for
-    further reading). The histories themselves (hundreds of MB) are deleted."""
-    import gzip
-    import pickle
-
-    from bench.memory_trace import compact, format_breakdown, peak_breakdown, segment_report
-
-    parts = []
-    for path in sorted(memory_snapshot_dir(run, ws).glob("rank*.pickle")):
-        snapshot = pickle.loads(path.read_bytes())
-        device = next(i for i, trace in enumerate(snapshot["device_traces"]) if trace)
-        small = compact(snapshot, device)
-        del snapshot
-        with gzip.open(out.with_name(f"{out.name.removesuffix('.txt')}.{path.stem}.json.gz"), "wt") as f:
-            json.dump(small, f)
-        parts += [f"===== {path.stem}: allocated at the peak", format_breakdown(peak_breakdown(small, 0, device)),
-                  f"===== {path.stem}: reserved beyond allocated", segment_report(small, device)]
-        path.unlink()
-    out.write_text("\n".join(parts) + "\n" if parts else "no allocator history was written\n")
-
-
 def zero3_variant(ws: Workspace, run: Run) -> Path:
     """zerolab's zero3.json with ``run.ds_settings``: ``hf-defaults``, the bucket values Hugging Face's
     integration derives for "auto" (the settings of the earliest reference figures); ``live-<n>``,

@@ -10,9 +10,13 @@ terms are checked against what a run holds.
 
 from __future__ import annotations
 
+import gzip
+import json
+import pickle
 import re
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -243,3 +247,23 @@ def _holes(live: dict[int, tuple[int, int, str]], ranges: list[list[int]], strea
         if hi > cursor:
             found.append((hi - cursor, below, "segment end"))
     return sorted(found, key=lambda h: -h[0])
+
+
+def write_up(folder: Path, out: Path) -> None:
+    """The allocator histories a run's workers wrote to ``folder`` (``train.memory_snapshot_dir``),
+    one per rank, as text in ``out``: what was allocated at the peak (:func:`peak_breakdown`) and why
+    the allocator reserved more (:func:`segment_report`); and each rank's history in :func:`compact`'s
+    form beside it (``<out stem>.rank<N>.json.gz``, a few MB, for further reading). The histories
+    themselves (hundreds of MB) are deleted."""
+    parts = []
+    for path in sorted(folder.glob("rank*.pickle")):
+        snapshot = pickle.loads(path.read_bytes())
+        device = next(i for i, trace in enumerate(snapshot["device_traces"]) if trace)
+        small = compact(snapshot, device)
+        del snapshot
+        with gzip.open(out.with_name(f"{out.name.removesuffix('.txt')}.{path.stem}.json.gz"), "wt") as f:
+            json.dump(small, f)
+        parts += [f"===== {path.stem}: allocated at the peak", format_breakdown(peak_breakdown(small, 0, device)),
+                  f"===== {path.stem}: reserved beyond allocated", segment_report(small, device)]
+        path.unlink()
+    out.write_text("\n".join(parts) + "\n" if parts else "no allocator history was written\n")

@@ -38,6 +38,7 @@ CHECKS_SHAPE = "qwen2.5-0.5b"
 def main(argv: list[str] | None = None) -> int:
     from bench import harness
     from bench.calibrate_memory import COLUMNS as CALIBRATION_COLUMNS
+    from bench.memory_trace import write_up
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", action="append", choices=sorted(harness.SUITES), default=[], help="runs to make (repeatable)")
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         since = (args.out / "runs.log").stat().st_size
         row, calibration = harness.execute(run, ws, log)
         if "memory" in run.traces and run.system == "zerolab":
-            harness.write_memory_traces(run, ws, args.out / f"{run.name}.memory.txt")
+            write_up(harness.memory_snapshot_dir(run, ws), args.out / f"{run.name}.memory.txt")
         rows.append(row)
         if row["status"] != "ok":  # why, where the summary is read (a GPU host's files may not come back)
             log.flush()
