@@ -178,6 +178,9 @@ CASES: dict[str, list[Case]] = {
     # lists run side by side on one two-GPU host (memory is measured per process, so neighbours do not
     # change it): the math cases not yet run on both GPUs, and one list per GPU
     # (CUDA_VISIBLE_DEVICES=0 / =1). The first 7B DoRA case repeats the earlier host miss.
+    # Held out for DoRA's temporaries beside a layer's activations (traced on the padded ZeRO-0 case of
+    # held-out-1, lease h100-83): packed rows at ZeRO-2, where DoRA's weight norm decides the peak too.
+    "held-out-k-dora": [Case("qwen2.5-7b", "dora", 2, micro_batch=1, seq_len=4096, data="mix", checkpointing=True, steps=3)],
     "held-out-b-2gpu": [
         Case("qwen2.5-0.5b", method, stage, offload, workers=2, micro_batch=16, seq_len=128, packing=False, steps=4,
              precision="fp32" if method == "adalora" else "")
@@ -546,7 +549,7 @@ def run_case(case: Case, out: Path, models: Path | None = None, *, data_aware: b
             sys.path.insert(0, str(Path(__file__).resolve().parent))
             from memory_trace import write_up
 
-            write_up(traces, traces.with_suffix(".memory.txt"))
+            write_up(traces, traces.parent / f"{case.name}.memory.txt")
     except Exception as exc:  # a failed case (OOM, say) is a result too: record it and go on
         row["status"] = f"failed: {root_cause(exc)[:200]}"
     finally:

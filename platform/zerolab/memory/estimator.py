@@ -123,7 +123,11 @@ def device_components(job: EstimateContext) -> tuple[dict[str, int], dict[str, i
     # activation is alive, but not with it.
     # A quantized base's dequantized weight lives only within its layer's product, as FP8's input copy.
     transient = fp8_transient(job) + dequantized_transient(job)
-    peak_activity = max(logits_and_loss(job), recompute + grads_in_flight + logits + transient, dora_transient(job))
+    # DoRA's weight-norm temporaries come inside a layer's forward, beside that layer's activations
+    # so far (7B, one H100: the down projection's in² identity and in·out copies on top of the
+    # gate and up projections' outputs; lease h100-83).
+    peak_activity = max(logits_and_loss(job), recompute + grads_in_flight + logits + transient,
+                        dora_transient(job) + recompute if dora_transient(job) else 0)
     phases = {
         "init": persistent - c["optimizer states"] + (job.T * job.e if job.stage in (1, 2) else 0),
         "forward/backward": persistent + held_grads + gathered(job) + saved + peak_activity,
