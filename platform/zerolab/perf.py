@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 GIB = 1024**3
 MEMORY_HISTORY_ENTRIES = 2_000_000
-"""Allocator events a memory snapshot keeps (the newest): a 7B step under ZeRO-3 makes ~50,000."""
+"""Allocator events a memory snapshot keeps (the newest): 7B and 14B runs of 4-8 steps under ZeRO-3 made
+100,000-330,000 from their load on (lease h200x2-81)."""
 
 logger = logging.getLogger(__name__)
 

@@ -126,8 +126,8 @@ def device_components(job: EstimateContext) -> tuple[dict[str, int], dict[str, i
     # DoRA's weight-norm temporaries come inside a layer's forward, beside that layer's activations
     # so far (7B, one H100: the down projection's in² identity and in·out copies on top of the
     # gate and up projections' outputs; lease h100-83).
-    peak_activity = max(logits_and_loss(job), recompute + grads_in_flight + logits + transient,
-                        dora_transient(job) + recompute if dora_transient(job) else 0)
+    dora = dora_transient(job)
+    peak_activity = max(logits_and_loss(job), recompute + grads_in_flight + logits + transient, dora + recompute if dora else 0)
     phases = {
         "init": persistent - c["optimizer states"] + (job.T * job.e if job.stage in (1, 2) else 0),
         "forward/backward": persistent + held_grads + gathered(job) + saved + peak_activity,
@@ -172,7 +172,8 @@ def build_estimate(job: EstimateContext) -> Estimate:
     if pools and sum(pools.values()) > max(phases.values()) * job.cal.reserved_factor_zero3:
         job.notes.append(f"ZeRO-3: reserved counts the gathered weights' own allocator pool ({pools['all-gather stream'] / GIB:.1f} GiB, "
                          f"with {gather_pending(job) / GIB:.1f} GiB of layers released but still queued on the GPU) beside "
-                         f"the main stream's ({pools['main stream'] / GIB:.1f} GiB); measured within -3% .. +8% on two H200s")
+                         f"the main stream's ({pools['main stream'] / GIB:.1f} GiB); within -1.4% .. +5.5% of the reserved memory measured "
+                         f"on two H200s (docs/memory.md)")
     return Estimate(
         option=job.option, shape=job.shape, world_size=job.n, use_gpu=job.gpu, precision=job.cfg.precision(),
         micro_batch_size=job.batch.micro_batch.rows, seq_len=job.seq_len,
