@@ -98,6 +98,9 @@ def test_a_memory_snapshot_records_the_cuda_allocator_so_it_needs_a_gpu():
     assert problems(["train.memory_snapshot_dir=/tmp/snapshots"]) == [
         "train.memory_snapshot_dir: records the CUDA allocator; set scaling.use_gpu=true or leave it empty"]
     load_config(None, ["train.memory_snapshot_dir=/tmp/snapshots", "scaling.use_gpu=true"])
+    assert problems(["train.memory_snapshot_dir=s3://bucket/snapshots", "scaling.use_gpu=true"]) == [
+        "train.memory_snapshot_dir: 's3://bucket/snapshots' is a URI; each worker writes its file to a local folder of its node: "
+        "give a path"]
 
 
 def test_missing_paths_and_custom_task():

@@ -139,6 +139,16 @@ def test_storage_paths_that_cannot_hold_runs_are_named(tmp_path):
     assert (tmp_path / "new" / "runs").is_dir() and not any((tmp_path / "new" / "runs").iterdir())  # the probe is gone
 
 
+def test_a_memory_snapshot_folder_that_cannot_be_written_stops_the_job_before_it_starts(tmp_path):
+    from zerolab.run import run_sft
+
+    (tmp_path / "a-file").write_text("x")
+    cfg = load_config(None, tiny_overrides(tmp_path, **{"scaling.use_gpu": "true", "train.memory_snapshot_dir": str(tmp_path / "a-file")}))
+    with pytest.raises(StorageUnavailable, match="train.memory_snapshot_dir: .*a-file is a file, not a folder; give a folder for the "
+                                                 "allocator histories"):
+        run_sft(cfg)
+
+
 # --- changed data -------------------------------------------------------------------------------
 
 

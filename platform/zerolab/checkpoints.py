@@ -273,11 +273,12 @@ class RunFolder:
 
 
 class StorageUnavailable(UserError):
-    """``run.storage_path`` cannot hold run folders; the message names what was found and the fix."""
+    """``run.storage_path`` cannot hold run folders (or ``train.memory_snapshot_dir`` its files); the
+    message names what was found and the fix."""
 
 
-def check_storage(storage_path: str) -> None:
-    """Fail before anything starts when ``storage_path`` cannot hold run folders: an unknown or
+def check_storage(storage_path: str, key: str = "run.storage_path", holds: str = "run folders") -> None:
+    """Fail before anything starts when ``storage_path`` (the setting ``key``) cannot hold ``holds``: an unknown or
     malformed URI, a bucket that does not exist, credentials the store refuses, a path that names a
     file, a read-only or full filesystem. A small file is written and removed to prove it."""
 
@@ -285,13 +286,13 @@ def check_storage(storage_path: str) -> None:
     try:
         fs, root = pafs.FileSystem.from_uri(storage_path)
     except (OSError, ValueError, pa.ArrowException) as exc:
-        raise StorageUnavailable(f"run.storage_path: {shown} is not a storage location zerolab can open ({_reason(exc)}); "
+        raise StorageUnavailable(f"{key}: {shown} is not a storage location zerolab can open ({_reason(exc)}); "
                                  f"give a local folder or an s3://, gs:// or hdfs:// URI (see docs/running.md, 'S3 and GCS storage')") from None
     probe = f"{root.rstrip('/')}/.zerolab-write-check-{socket.gethostname()}-{os.getpid()}"
     try:
         info = fs.get_file_info(root)
         if info.type == pafs.FileType.File:
-            raise StorageUnavailable(f"run.storage_path: {shown} is a file, not a folder; give a folder for the run folders "
+            raise StorageUnavailable(f"{key}: {shown} is a file, not a folder; give a folder for the {holds} "
                                      f"(it is created if missing)")
         fs.create_dir(root, recursive=True)
         with fs.open_output_stream(probe) as f:
@@ -301,7 +302,7 @@ def check_storage(storage_path: str) -> None:
         reason = _reason(exc)
         words = reason.lower().replace("_", " ")  # pyarrow writes S3's codes as ACCESS_DENIED
         if "not found" in words and ("bucket" in words or "container" in words):
-            fix = "create the bucket, or fix its name in run.storage_path"
+            fix = f"create the bucket, or fix its name in {key}"
         elif "://" in storage_path and any(word in words for word in _REFUSED):
             raise StorageUnavailable(_refused(storage_path, shown, reason)) from None
         elif isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
@@ -312,7 +313,7 @@ def check_storage(storage_path: str) -> None:
             fix = "a part of the path is a file: choose a folder path"
         else:
             fix = "check the location and that this machine can reach and write it"
-        raise StorageUnavailable(f"run.storage_path: cannot write run folders to {shown} ({reason}); {fix}") from None
+        raise StorageUnavailable(f"{key}: cannot write {holds} to {shown} ({reason}); {fix}") from None
 
 
 _REFUSED = ("access denied", "accessdenied", "forbidden", "invalidaccesskeyid", "signaturedoesnotmatch", "credential",

@@ -489,6 +489,9 @@ def validate(cfg: SFTConfig) -> list[str]:
             p.append("model.kernels: liger needs a GPU (its kernels are Triton); use auto or none with scaling.use_gpu=false")
         if t.memory_snapshot_dir:
             p.append("train.memory_snapshot_dir: records the CUDA allocator; set scaling.use_gpu=true or leave it empty")
+    if "://" in t.memory_snapshot_dir:
+        p.append(f"train.memory_snapshot_dir: {t.memory_snapshot_dir!r} is a URI; each worker writes its file to a local "
+                 f"folder of its node: give a path")
 
     positive("run.max_wall_time_s", r.max_wall_time_s, allow_none=True)
     if r.name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", r.name):

@@ -90,6 +90,8 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
     check_registry_name(cfg)
     storage = storage_path(cfg)
     check_storage(storage)
+    if cfg.train.memory_snapshot_dir:  # this node's; a cluster's workers write on their own
+        check_storage(cfg.train.memory_snapshot_dir, "train.memory_snapshot_dir", "allocator histories")
     folder = RunFolder.of(cfg, storage)
     stopper: StopSignal | None = None
     try:
