@@ -81,6 +81,24 @@ def assert_same_loss_and_grads(got: tuple, expected: tuple, tol: dict[str, float
     assert max(errors.values()) < tol["grad"], sorted(errors.items(), key=lambda kv: -kv[1])[:3]
 
 
+def assert_as_close_as_peft(got: tuple, peft_own: tuple, fp32: tuple, tol: dict[str, float], slack: float = 1.5) -> None:
+    """``got`` (a bf16 path) is no further from the fp32 computation ``fp32`` than ``peft_own`` (peft's
+    bf16 path) is, times ``slack``, or within ``tol``: in the loss, all gradients and each one."""
+    def errors(run: tuple) -> tuple[float, float, dict[str, float]]:
+        (loss, grads), (ref_loss, ref_grads) = run, fp32
+        assert grads.keys() == ref_grads.keys() and grads
+        flat, ref_flat = (torch.cat([g[k].flatten() for k in sorted(ref_grads)]) for g in (grads, ref_grads))
+        each = {k: ((g - ref_grads[k]).norm() / ref_grads[k].norm().clamp(min=1e-30)).item() for k, g in grads.items()
+                if not k.endswith("k_proj.bias")}  # zero in exact arithmetic: see assert_same_loss_and_grads
+        return (abs(loss - ref_loss) / abs(ref_loss)).item(), ((flat - ref_flat).norm() / ref_flat.norm()).item(), each
+
+    (loss, whole, each), (peft_loss, peft_whole, peft_each) = errors(got), errors(peft_own)
+    assert loss < max(tol["loss"], slack * peft_loss), (loss, peft_loss)
+    assert whole < max(tol["grads"], slack * peft_whole), (whole, peft_whole)
+    worse = {k: (e, peft_each[k]) for k, e in each.items() if e >= max(tol["grad"], slack * peft_each[k])}
+    assert not worse, sorted(worse.items(), key=lambda kv: -kv[1][0])[:3]
+
+
 def reference_varlen(q, k, v, cu, max_len, scale):
     """What the varlen kernel computes: causal attention within each [cu[i], cu[i+1]) span."""
     assert max_len >= int(cu.diff().max())
@@ -275,7 +293,7 @@ def test_fused_lora_forward_gives_peft_outputs_and_gradients(request, method, dt
                          pad_id=0, seed=0).sequential()[0]
     inputs = on(batch.inputs, device)
 
-    def run(fuse: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def run(fuse: bool, dtype: torch.dtype = dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         torch.manual_seed(0)
         model = apply_adapter(load_model(spec, dtype), AdapterSpec(method=method, r=4, alpha=8, dropout=dropout), 10)
         model.to(device=device, dtype=dtype)  # peft keeps adapters in fp32; a bf16 run's engine casts them
@@ -288,9 +306,14 @@ def test_fused_lora_forward_gives_peft_outputs_and_gradients(request, method, dt
         torch.manual_seed(1)  # the same dropout masks
         return loss_and_grads(model, inputs)
 
-    # bf16: peft rounds B's product, its scaling and the sum; addmm rounds once.
-    tol = {"loss": 4e-3, "grads": 4e-2, "grad": 4e-2} if dtype == torch.bfloat16 else {"loss": 1e-6, "grads": 1e-5, "grad": 1e-5}
-    assert_same_loss_and_grads(run(True), run(False), tol)
+    if dtype == torch.float32:
+        assert_same_loss_and_grads(run(True), run(False), {"loss": 1e-6, "grads": 1e-5, "grad": 1e-5})
+        return
+    # bf16: peft rounds B's product, its scaling and the sum; addmm rounds once. So the two differ by
+    # bf16's rounding, how much depending on the CPU's bf16 kernels (a small gradient of one layer
+    # differed by 8.6% on an AVX2 machine): each is held to the fp32 computation of the same weights,
+    # the fused path no further from it than peft's own (with slack), or within 4%.
+    assert_as_close_as_peft(run(True), run(False), run(False, torch.float32), {"loss": 4e-3, "grads": 4e-2, "grad": 4e-2})
 
 
 def test_fused_lora_leaves_disabled_and_merged_adapters_to_peft(tiny_model_path):
