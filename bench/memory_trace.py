@@ -124,9 +124,9 @@ def segment_report(snapshot: dict[str, Any], device: int = 0, last: int = 2, hol
     events = snapshot["device_traces"][device]
     live: dict[int, tuple[int, int, str]] = {}  # addr -> (size, stream, site) until free_completed
     mapped: dict[int, list[list[int]]] = defaultdict(list)  # stream -> sorted, merged [lo, hi) ranges
-    alloc: Counter[int] = Counter()  # held: until the allocator may reuse the block (free_completed)
+    held: Counter[int] = Counter()  # until the allocator may reuse the block (free_completed)
     requested: Counter[int] = Counter()  # allocated as torch counts it: until the tensor is freed (free_requested)
-    alloc_peak: Counter[int] = Counter()
+    held_peak: Counter[int] = Counter()
     pending_at_peak: Counter[int] = Counter()
     mapped_peak: Counter[int] = Counter()
     reserved = reserved_peak = allocated_peak = 0
@@ -135,22 +135,22 @@ def segment_report(snapshot: dict[str, Any], device: int = 0, last: int = 2, hol
         action, stream = ev["action"], ev.get("stream", 0)
         if action == "alloc":
             live[ev["addr"]] = (ev["size"], stream, _site_of(ev, 1))
-            alloc[stream] += ev["size"]
+            held[stream] += ev["size"]
             requested[stream] += ev["size"]
-            if alloc[stream] > alloc_peak[stream]:
-                alloc_peak[stream], pending_at_peak[stream] = alloc[stream], alloc[stream] - requested[stream]
+            if held[stream] > held_peak[stream]:
+                held_peak[stream], pending_at_peak[stream] = held[stream], held[stream] - requested[stream]
             allocated_peak = max(allocated_peak, sum(requested.values()))
         elif action == "free_requested" and ev["addr"] in live:
             requested[live[ev["addr"]][1]] -= live[ev["addr"]][0]
         elif action == "free_completed" and ev["addr"] in live:
             size, owner, _ = live.pop(ev["addr"])
-            alloc[owner] -= size
+            held[owner] -= size
         elif action in ("segment_map", "segment_alloc"):
             own = _span(mapped[stream])
             if own + ev["size"] > mapped_peak[stream]:  # described as it was before the mapping
                 request = next((e for e in events[i + 1:i + 50] if e["action"] == "alloc" and e.get("stream", 0) == stream), None)
                 growths[stream].append({"event": i, "grew": ev["size"], "to": own + ev["size"], "request": request,
-                                        "allocated": dict(alloc), "mapped": {st: _span(r) for st, r in mapped.items()},
+                                        "held": dict(held), "mapped": {st: _span(r) for st, r in mapped.items()},
                                         "holes": _holes(live, mapped[stream], stream)})
                 del growths[stream][:-last]
             _add_range(mapped[stream], ev["addr"], ev["addr"] + ev["size"])
@@ -163,15 +163,15 @@ def segment_report(snapshot: dict[str, Any], device: int = 0, last: int = 2, hol
              f"GiB (what was mapped or allocated before the history began is not in the replay); segments at the end "
              f"{sum(seg['total_size'] for seg in snapshot['segments']) / GIB:.3f} GiB"]
     for stream in sorted(mapped_peak, key=lambda st: -mapped_peak[st]):
-        lines.append(f"stream {stream:#x}: peak held {alloc_peak[stream] / GIB:.3f} GiB (of which freed, the GPU's use of it still "
+        lines.append(f"stream {stream:#x}: peak held {held_peak[stream] / GIB:.3f} GiB (of which freed, the GPU's use of it still "
                      f"pending: {pending_at_peak[stream] / GIB:.3f}), peak mapped {mapped_peak[stream] / GIB:.3f} GiB")
         for g in growths[stream]:
             req = g["request"]
             what = f"{req['size'] / 2**20:.1f} MiB at {_site_of(req)}" if req else "?"
             lines.append(f"  growth at event {g['event']}: +{g['grew'] / 2**20:.1f} MiB to {g['to'] / GIB:.3f} GiB, for {what}")
-            lines.append("    before it, allocated / mapped GiB by stream: " + ", ".join(
-                f"{st:#x} {g['allocated'].get(st, 0) / GIB:.3f} / {g['mapped'].get(st, 0) / GIB:.3f}"
-                for st in sorted(set(g["mapped"]) | set(g["allocated"]))))
+            lines.append("    before it, held / mapped GiB by stream: " + ", ".join(
+                f"{st:#x} {g['held'].get(st, 0) / GIB:.3f} / {g['mapped'].get(st, 0) / GIB:.3f}"
+                for st in sorted(set(g["mapped"]) | set(g["held"]))))
             free = g["holes"]
             lines.append(f"    the stream's free holes: {sum(h[0] for h in free) / GIB:.3f} GiB in {len(free)}; the largest:")
             for size, below, above in free[:holes]:

@@ -133,7 +133,7 @@ def test_the_segment_report_finds_the_hole_a_request_did_not_fit(monkeypatch):
     assert "replayed: reserved peak 0.176 GiB, allocated peak 0.117 GiB" in report  # 180 and 120 MiB
     assert "stream 0x0: peak held 0.107 GiB (of which freed, the GPU's use of it still pending: 0.000), peak mapped 0.146 GiB" in report
     assert "growth at event 8: +50.0 MiB to 0.146 GiB, for 50.0 MiB at zerolab/model_code.py:4 f" in report
-    assert "allocated / mapped GiB by stream: 0x0 0.059 / 0.098, 0x7 0.010 / 0.029" in report
+    assert "held / mapped GiB by stream: 0x0 0.059 / 0.098, 0x7 0.010 / 0.029" in report
     assert "the stream's free holes: 0.039 GiB in 1" in report
     assert "40.0 MiB  between [segment start] and [zerolab/model_code.py:2 f]" in report
     # Unmapping a part of a range takes it out of the reserved bytes, and the compact form reads the same.
