@@ -10,10 +10,7 @@ YAML: a sweep's saved definition, the config artifact in MLflow.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import math
 import re
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
+from zerolab.config_build import build, coerce, describe, fix_hint, to_plain, unknown_key
 from zerolab.errors import UserError
 
 BUILTIN_TINY_MODEL = "builtin:tiny-qwen2"
@@ -269,7 +267,7 @@ class SFTConfig:
     def from_dict(cls, raw: dict[str, Any]) -> SFTConfig:
         """Build and validate; raises ConfigError listing every problem."""
         problems: list[str] = []
-        cfg = _build(cls, raw, "", problems)
+        cfg = build(cls, raw, "", problems)
         # Fields that failed to parse kept their defaults; report the rest of the checks too.
         bad_keys = {p.split(":", 1)[0] for p in problems}
         problems.extend(p for p in validate(cfg) if p.split(":", 1)[0] not in bad_keys)
@@ -278,7 +276,7 @@ class SFTConfig:
         return cfg
 
     def to_dict(self) -> dict[str, Any]:
-        return _to_plain(dataclasses.asdict(self))
+        return to_plain(dataclasses.asdict(self))
 
     def flat(self) -> dict[str, Any]:
         """The config as dotted keys, e.g. ``{"adapter.r": 8, ...}``."""
@@ -301,11 +299,11 @@ class SFTConfig:
             spec = getattr(self, section)
             hints = typing.get_type_hints(type(spec))
             if name not in hints:
-                problems.append(_unknown_key(name, f"{section}.", list(hints)))
+                problems.append(unknown_key(name, f"{section}.", list(hints)))
                 continue
-            ok, coerced = _coerce(value, hints[name])
+            ok, coerced = coerce(value, hints[name])
             if not ok:
-                problems.append(f"{key}: {value!r} is not {_describe(hints[name])}; {_fix_hint(hints[name])}")
+                problems.append(f"{key}: {value!r} is not {describe(hints[name])}; {fix_hint(hints[name])}")
                 continue
             changed.setdefault(section, {})[name] = coerced
         cfg = dataclasses.replace(self, **{s: dataclasses.replace(getattr(self, s), **v) for s, v in changed.items()})
@@ -342,7 +340,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     try:
         cfg = SFTConfig.from_dict(apply_overrides(raw, overrides))
     except ConfigError as exc:
-        partial = _build(SFTConfig, apply_overrides(raw, overrides), "", [])
+        partial = build(SFTConfig, apply_overrides(raw, overrides), "", [])
         raise ConfigError([*exc.problems, *missing_paths(partial)]) from None
     if problems := missing_paths(cfg):
         raise ConfigError(problems)
@@ -592,113 +590,3 @@ def _long_row_problems(cfg: SFTConfig) -> list[str]:
             p.append(f"model.rope_original_max_position_embeddings: {m.rope_original_max_position_embeddings} is not "
                      "allowed; give the length the model was trained at, or leave it empty for its max_position_embeddings")
     return p
-
-
-# --- generic dataclass <-> dict machinery -------------------------------------------------
-
-_ALIASES = {
-    "rank": "r", "lora_r": "r", "lora_rank": "r", "lora_alpha": "alpha", "lora_dropout": "dropout",
-    "learning_rate": "lr", "batch_size": "micro_batch_size", "per_device_train_batch_size": "micro_batch_size",
-    "gradient_accumulation_steps": "grad_accum_steps", "zero_stage": "stage", "num_train_epochs": "num_epochs",
-    "model_name_or_path": "name_or_path", "model": "name_or_path", "max_length": "max_seq_length",
-}
-"""Names other fine-tuning tools use for our keys, for 'did you mean' hints."""
-
-
-def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
-    where = prefix.rstrip(".") or "config"
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        problems.append(f"{where}: expected a mapping of keys, got {type(raw).__name__} {raw!r}")
-        return cls()
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    problems.extend(_unknown_key(key, prefix, names) for key in raw if key not in names)
-    kwargs = {}
-    for name in names:
-        if name not in raw:
-            continue
-        tp = hints[name]
-        if dataclasses.is_dataclass(tp):
-            kwargs[name] = _build(tp, raw[name], f"{prefix}{name}.", problems)
-        else:
-            ok, value = _coerce(raw[name], tp)
-            if ok:
-                kwargs[name] = value
-            else:
-                problems.append(f"{prefix}{name}: {raw[name]!r} is not {_describe(tp)}; {_fix_hint(tp)}")
-    return cls(**kwargs)
-
-
-def _unknown_key(key: Any, prefix: str, names: list[str]) -> str:
-    close = [_ALIASES[key]] if _ALIASES.get(key) in names else difflib.get_close_matches(str(key), names, n=1)
-    hint = f"did you mean '{prefix}{close[0]}'?" if close else f"valid keys: {', '.join(names)}"
-    return f"{prefix}{key}: unknown key; {hint}"
-
-
-def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None:
-            return (type(None) in args), None
-        for arg in args:
-            if arg is not type(None):
-                ok, out = _coerce(value, arg)
-                if ok:
-                    return True, out
-        return False, None
-    if origin is Literal:
-        return (value in args and type(value) in {type(a) for a in args}), value
-    if origin is tuple:
-        items = [value] if isinstance(value, str) else value
-        if not isinstance(items, (list, tuple)):
-            return False, None
-        out = []
-        for item in items:
-            ok, v = _coerce(item, args[0])
-            if not ok:
-                return False, None
-            out.append(v)
-        return True, tuple(out)
-    if tp is bool:
-        return isinstance(value, bool), value
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    if tp is float:
-        if isinstance(value, str):
-            # PyYAML (YAML 1.1) reads exponent forms such as 3e-4 as strings.
-            try:
-                value = float(value)
-            except ValueError:
-                return False, None
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        return ok, float(value) if ok else None
-    if tp is str:
-        return isinstance(value, str), value
-    raise AssertionError(f"unsupported config type {tp}")
-
-
-def _describe(tp: Any) -> str:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join("empty (null)" if a is type(None) else _describe(a) for a in args)
-    if origin is Literal:
-        return repr(args[0]) if len(args) == 1 else "one of " + ", ".join(repr(a) for a in args)
-    if origin is tuple:
-        return f"a list of {_describe(args[0])}"
-    return {bool: "true/false", int: "an integer", float: "a finite number", str: "a string"}[tp]
-
-
-def _fix_hint(tp: Any) -> str:
-    if typing.get_origin(tp) is Literal:
-        return "choose one of " + ", ".join(str(a) for a in typing.get_args(tp))
-    return f"use {_describe(tp)}"
-
-
-def _to_plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _to_plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_to_plain(v) for v in value]
-    return value
