@@ -272,6 +272,15 @@ CASES: dict[str, list[Case]] = {
         Case("qwen2.5-0.5b", "full", 1, micro_batch=4, seq_len=256, precision="fp32", steps=3),
         Case("qwen2.5-0.5b", "dora", 1, micro_batch=8, seq_len=512, packing=False, data="mix", steps=3),
     ],
+    # Held-out set L, after ZeRO 1-2's gradient partition is counted in the reduction stream's pool (with
+    # one fp32 logits block beside the forward/backward peak for padded micro-batches) and a quantized
+    # base's load on the pre-load baseline: two GPUs, fitted to nothing. Full fine-tuning at its
+    # forward/backward peak, where the pool decides reserved: ZeRO-2 on padded rows of the mix (up to
+    # 8 × 120 tokens), and ZeRO-1 (the same reduction path) on the padded math rows.
+    "held-out-l-2gpu": [
+        Case("qwen2.5-0.5b", "full", 2, workers=2, micro_batch=8, seq_len=512, packing=False, data="mix", steps=4),
+        Case("qwen2.5-0.5b", "full", 1, workers=2, micro_batch=16, seq_len=128, packing=False, steps=4),
+    ],
     "tiny": [Case("tiny", "lora", 2, workers=2, micro_batch=32, seq_len=512, gpu=False, steps=4),
              Case("tiny", "lora", 3, "all", workers=2, micro_batch=8, seq_len=128, gpu=False, steps=4)],
 }
@@ -689,7 +698,7 @@ def _param_offload(row: dict[str, str]) -> bool:
 
 def _fit_gpu_host(rows: list[dict[str, str]]) -> dict[str, float]:
     """``host_gpu_before_load_bytes``: the smallest value with which no GPU row whose workers load
-    their checkpoint lazily (ZeRO 0-2 in its dtype) is predicted more than 5% under its measured
+    their checkpoint lazily (ZeRO 0-2 in its dtype) or load a quantized base is predicted more than 5% under its measured
     host figure. Each such row's prediction is the larger of its load phase, linear in the constant
     (once per worker), and the phases that do not depend on it, so each row bounds it from below."""
     from zerolab.memory import DEFAULT_CALIBRATION, MIB

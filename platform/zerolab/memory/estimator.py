@@ -169,7 +169,7 @@ def build_estimate(job: EstimateContext) -> Estimate:
     if job.stage == 3 and job.n == 1 and not job.offload_param:
         job.notes.append("ZeRO-3 on one GPU partitions nothing: it holds what ZeRO-0 holds and adds gathering overhead")
     pools = stream_pools(job, phases)
-    if pools and sum(pools.values()) > max(phases.values()) * job.cal.reserved_factor_zero3:
+    if job.stage == 3 and pools and sum(pools.values()) > max(phases.values()) * job.cal.reserved_factor_zero3:
         job.notes.append(f"ZeRO-3: reserved counts the gathered weights' own allocator pool ({pools['all-gather stream'] / GIB:.1f} GiB, "
                          f"with {gather_pending(job) / GIB:.1f} GiB of layers released but still queued on the GPU) beside "
                          f"the main stream's ({pools['main stream'] / GIB:.1f} GiB); within -1.4% .. +5.5% of the reserved memory measured "

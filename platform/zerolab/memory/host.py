@@ -109,8 +109,15 @@ def host_components(job: EstimateContext, device_peak: int) -> tuple[dict[str, i
     # pinned partitions while it reads, and its load peaks on the whole baseline (measured).
     whole = job.gpu and not job.offload_param and (job.stage == 3 or file_bytes != e or job.quantization != "none")
     # A lazy load peaks on what the process holds before it reads the checkpoint (fitted), not on
-    # its steady-state baseline.
-    load_base = cal.host_gpu_before_load_bytes if lazy else base - (cal.host_gpu_first_steps_bytes if whole else 0)
+    # its steady-state baseline. So does a quantized base's: zerolab.engine.build_model loads it through
+    # the device map at every stage before DeepSpeed starts (under ZeRO-3 before the partitioning
+    # switch is turned on), at the point of the worker's life where a lazy load runs, and bitsandbytes
+    # quantizes each weight on the GPU as it arrives. Its files' pages stay resident to the end of the
+    # load (the whole checkpoint, above). The 25 quantized runs of the benchmark's results (0.5B, 7B,
+    # 14B; nf4 and int8; ZeRO 0, 2 and 3; one and two GPUs) sat 0.17-0.42 GiB per worker below the
+    # training baseline less its first steps, whatever the checkpoint's size.
+    before_load = lazy or (whole and job.quantization != "none")
+    load_base = cal.host_gpu_before_load_bytes if before_load else base - (cal.host_gpu_first_steps_bytes if whole else 0)
     rank0 = {
         "model load": load_base + dataset + load + partitions,
         "training": base + dataset + resident,

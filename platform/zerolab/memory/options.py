@@ -90,8 +90,9 @@ class Estimate:
     """The Calibration constant for the share of the peak the allocator keeps cached otherwise
     (``zerolab.memory.terms.reserved_share``)."""
     device_stream_pools: dict[str, int]
-    """ZeRO-3 without parameter offload: the peak of each CUDA stream's pool, which the allocator keeps
-    apart (``zerolab.memory.terms.stream_pools``); reserved is at least their sum. Empty otherwise."""
+    """ZeRO-3 without parameter offload, and ZeRO 1-2 whose gradient partition DeepSpeed allocates on its
+    reduction stream: the peak of each CUDA stream's pool, which the allocator keeps apart
+    (``zerolab.memory.terms.stream_pools``); reserved is at least their sum. Empty otherwise."""
     host_worker: dict[str, int]
     """Per worker process (``checkpoint save`` on rank 0 only)."""
     host_worker_phases: dict[str, int]

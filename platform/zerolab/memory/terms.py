@@ -424,6 +424,24 @@ def gather_pending(job: EstimateContext) -> int:
     return int(layers * _layer_gathered(job))
 
 
+def reduction_stream_gradients(job: EstimateContext) -> int:
+    """ZeRO 1-2 with ``overlap_comm`` and ``contiguous_gradients`` (zerolab's shipped configs), where the
+    backward hooks reduce the gradients (ZeRO-2; ZeRO-1 without accumulation) and the optimizer is on
+    the GPU: the flat buffer of this rank's gradient partition, e·⌈T/N⌉ (the ``gradients`` term), which
+    DeepSpeed 0.19.8 allocates on its reduction stream. ``reduce_ipg_grads`` calls
+    ``copy_grads_in_partition`` inside ``with stream(self.reduction_stream)`` when ``overlap_comm`` is on,
+    and the first copy of each backward pass allocates ``grads_in_partition`` there; the step frees it
+    and the next backward allocates it again. torch's caching allocator never gives one stream's free
+    blocks to another, so its range stays in the reduction stream's pool while the main stream's
+    forward and loss reach their peak beside it (:func:`stream_pools`). 0 otherwise (offload streams
+    each gradient to the host; without ``overlap_comm`` the copy is on the main stream)."""
+    k = job.knobs
+    in_hooks = job.stage == 2 or (job.stage == 1 and job.cfg.train.grad_accum_steps == 1)
+    if not job.gpu or job.offload_opt or not in_hooks or not (k.overlap_comm and k.contiguous_gradients):
+        return 0
+    return job.part(job.T) * job.e
+
+
 def stream_pools(job: EstimateContext, phases: dict[str, int]) -> dict[str, int]:
     """ZeRO-3 without parameter offload on GPUs: the peak of each CUDA stream's pool. torch's caching
     allocator never gives one stream's free blocks to another, and DeepSpeed gathers parameters on its
@@ -433,7 +451,21 @@ def stream_pools(job: EstimateContext, phases: dict[str, int]) -> dict[str, int]
     (``reserved_factor_zero3``), and on a 4-bit base its load (:func:`quantized_load`), whose range
     it keeps (an int8 load's range goes to the gathers: 14B over two H200s, reserved 1.05 × the load).
     Traced over two H200s (lease h200x2-81): 7B split at 32K rows, main 13.77 GiB and gathers 8.98;
-    7B nf4, 5.81 (at the load) and 4.10; 14B nf4, 10.17 (at the load) and 5.85. Empty otherwise."""
+    7B nf4, 5.81 (at the load) and 4.10; 14B nf4, 10.17 (at the load) and 5.85.
+
+    ZeRO 1-2 (:func:`reduction_stream_gradients`): the reduction stream's pool holds the gradient
+    partition's buffer, which the main stream cannot use at its forward/backward peak. Beside that
+    peak the main stream keeps one fp32 logits block (4·V per token, where the logits are
+    materialised) when the micro-batches are padded: each is padded to its own longest row, so a
+    step longer than those before it allocates its logits-sized blocks beyond the ranges the earlier
+    steps left. Packed micro-batches have the same tokens every step and take the same ranges back
+    (what they keep beyond the peak is :func:`cached_blocks`' share). 0.5B full fine-tuning, ZeRO-2,
+    two H200s, 16 padded rows of at most 69 tokens: 1.086 GiB held beyond the peak, the partition's
+    0.460 and the logits' 0.625. Empty otherwise."""
+    grads = reduction_stream_gradients(job)
+    if grads:
+        padded = 0 if job.fused_loss or job.cfg.data.packing else 4 * job.shape.vocab_size * job.tokens
+        return {"main stream": phases["forward/backward"] + padded, "reduction stream": grads}
     if not job.gathers() or job.offload_param or not job.gpu:
         return {}
     held = {"forward/backward": gathered(job), "forward start": gathered_at_start(job)}
