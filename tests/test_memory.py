@@ -1543,3 +1543,58 @@ def test_offload_and_tiled_mlp_lengthen_the_7b_row_past_256k_on_an_80gib_gpu():
     small_host = Limits(gpu_mem_bytes=80 * GIB, gpus_per_node=1, host_mem_bytes=64 * GIB)
     cfg = load_config(None, [*LONG_7B, "model.offload_checkpoints=true", "model.tiled_mlp=auto"])
     assert memory.longest_row(cfg, QWEN25_7B, small_host, Option(2)) < 262144
+
+
+# --- LLM.int8()'s held bytes ---------------------------------------------------------------------
+
+
+def test_bitsandbytes_int8_product_keeps_its_input_and_its_outlier_columns_on_the_context():
+    """What ``activations.int8_held_inputs`` counts, read off bitsandbytes' own product: with a frozen
+    int8 weight and an input that needs a gradient, ``MatMul8bitLt`` keeps ``(CAt, subA, A)`` as a
+    plain attribute of its context (nothing in ``save_for_backward``, so checkpointing cannot drop
+    them): no transposed int8 copy, the input itself (same storage) and a copy of its outlier columns
+    (those with a value of at least the threshold) in the input's dtype."""
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes as bnb
+    from bitsandbytes.autograd._functions import MatMul8bitLt
+
+    torch.manual_seed(0)
+    layer = bnb.nn.Linear8bitLt(16, 8, bias=False, has_fp16_weights=False, threshold=6.0)
+    layer.weight = bnb.nn.Int8Params(torch.randn(8, 16) * 0.1, requires_grad=False, has_fp16_weights=False)
+    layer = layer.to("cpu")  # quantizes the weight: int8 rows and their scales
+    x = torch.randn(2, 5, 16, dtype=torch.bfloat16, requires_grad=True)
+    with torch.no_grad():
+        x[0, 1, 3], x[1, 2, 11] = 9.0, -7.0  # two outlier columns, one token each
+    out = MatMul8bitLt.apply(x, layer.weight, None, None, layer.state)
+    cat, sub_a, a = out.grad_fn.tensors
+    assert cat is None and len(out.grad_fn.saved_tensors) == 0
+    assert a.data_ptr() == x.data_ptr() and a.shape == (10, 16)
+    assert sub_a.shape == (10, 2) and sub_a.dtype == torch.bfloat16 and sub_a.data_ptr() != x.data_ptr()
+    assert out.grad_fn.tensor_states[1].tolist() == [3, 11]
+
+
+def test_int8_held_bytes_are_the_products_inputs_nothing_else_keeps_and_downs_outlier_columns():
+    """Per token and layer, e × (inputs + I): with checkpointing every product's input (q/k/v's and
+    gate/up's e·h, o's e·q_dim, down's e·I); without it, with adapter dropout (no adapter reads the
+    inputs), the normed inputs of q/k/v and gate/up and down's input SiLU(gate)·up, which SwiGLU's
+    backward does not keep with Liger's kernel or without it; with no dropout none. Down's outlier
+    columns are counted at their bound, all I of them (``int8_outlier_columns``); none under ZeRO-3."""
+    from zerolab.memory.activations import int8_held_inputs, int8_outlier_columns
+    from zerolab.memory.context import EstimateContext, ZeroKnobs
+
+    shape = ModelShape.from_config(QWEN25_05B)
+    h, q, inter, layers, e, tokens = 896, 896, 4864, 24, 2, 2 * 4096
+
+    def job(*extra: str, stage: int = 2) -> EstimateContext:
+        cfg = load_config(None, ["adapter.method=lora", "scaling.use_gpu=true", "scaling.num_workers=1", "train.precision=bf16",
+                                 f"deepspeed.stage={stage}", "model.quantization=int8", "data.max_seq_length=4096",
+                                 "train.micro_batch_size=2", "model.attn_implementation=varlen", *extra])
+        return EstimateContext(cfg, shape, [], ZeroKnobs.resolve(cfg, shape), Option(stage), None, ())  # type: ignore[arg-type]
+
+    per = tokens * layers * e
+    assert int8_outlier_columns(job()) == inter
+    assert int8_held_inputs(job("model.gradient_checkpointing=true")) == per * (2 * h + q + inter + inter)
+    for kernels in ("none", "liger"):
+        assert int8_held_inputs(job(f"model.kernels={kernels}", "adapter.dropout=0.05")) == per * (2 * h + inter + inter)
+        assert int8_held_inputs(job(f"model.kernels={kernels}", "adapter.dropout=0.0")) == per * inter
+    assert int8_held_inputs(job("model.gradient_checkpointing=true", stage=3)) == 0
