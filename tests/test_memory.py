@@ -1398,6 +1398,10 @@ def test_zero3_reserves_the_gathered_weights_pool_beside_the_main_streams():
                for e in (split16k, split64k)}
     assert pending[16384] == pytest.approx(cal.gather_pending_layers_per_doubling * 1 * layer, rel=0.01)  # 8K tokens per GPU
     assert pending[65536] == pytest.approx(cal.gather_pending_layers_per_doubling * 3 * layer, rel=0.01)  # 32K per GPU
+    # Past some length the host can run no further ahead of the GPU: the count stops growing.
+    split256k = est("deepspeed.stage=3", "data.max_seq_length=262144", "scaling.sequence_parallel_size=2")
+    assert (split256k.device_stream_pools["all-gather stream"] - short.device_stream_pools["all-gather stream"]
+            == pytest.approx(cal.gather_pending_layers_max * layer, rel=0.01))  # 128K per GPU: 25 layers by doubling
     fb = split64k.device_phases["forward/backward"]
     assert split64k.device_stream_pools["main stream"] == int((fb - short.device["gathered parameters"]) * cal.reserved_factor_zero3)
     assert split64k.device_reserved == sum(split64k.device_stream_pools.values()) > split64k.device_peak * cal.reserved_factor_zero3

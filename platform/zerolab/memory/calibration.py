@@ -60,6 +60,12 @@ class Calibration:
     holds. Traced (7B split over two H200s at 32K rows, lease h200x2-81): 3.8 GiB allocated and 5.2
     pending free at that pool's peak. Fitted to the pools of the 7B's runs at 8K, 16K and 64K tokens
     per GPU (h200x4-65, h200x2-72): 5.4, 10.8-12.4 and 17.5 layers; 0.7 at 4K."""
+    gather_pending_layers_max: float = 17.5
+    """The most released layers the all-gather stream's pool holds however long the GPU's work per
+    layer: the host runs ahead of the GPU only as far as CUDA's queue of launched work lets it, so
+    past some length the count stops growing. Traced at 117,760 tokens per GPU (7B, a 235K row split
+    over two H100s, lease h100x2-84): 6.55 GiB pending, 15.1 layers, where the count per doubling
+    gives 24; the most measured, 17.5 layers at 64K tokens per GPU (h200x4-65), is the bound."""
     reserved_param_offload_factor: float = 1.54
     """ZeRO-3 with parameter offload: the allocator keeps the buffers of the largest gathered
     parameter cached between its uses (its partition copied from the host and its gathered whole),

@@ -416,11 +416,13 @@ def gather_pending(job: EstimateContext) -> int:
     """ZeRO-3 without parameter offload: the gathered layers released by the host but not yet by the
     GPU, which the all-gather stream's pool holds beside the gathered ones
     (``Calibration.gather_pending_layers_per_doubling`` per doubling of the tokens per micro-batch
-    past 4,096, at most every layer). 0 where the step is host-bound (4K tokens and fewer)."""
+    past 4,096, at most ``gather_pending_layers_max`` and every layer). 0 where the step is host-bound
+    (4K tokens and fewer)."""
     if not job.gathers() or job.offload_param or not job.gpu:
         return 0
     doublings = math.log2(max(job.tokens, 1) / 4096)
-    layers = min(job.shape.num_layers, max(0.0, job.cal.gather_pending_layers_per_doubling * doublings))
+    layers = min(job.shape.num_layers, job.cal.gather_pending_layers_max,
+                 max(0.0, job.cal.gather_pending_layers_per_doubling * doublings))
     return int(layers * _layer_gathered(job))
 
 
