@@ -88,7 +88,11 @@ class Case:
     precision: str = ""
     """Empty: bf16 on GPU, fp32 on CPU."""
     quantization: str = "none"
-    """``model.quantization``: a quantized base (``nf4``, ``fp4``, ``int8``)."""
+    """``model.quantization`` of the base (``nf4``, ``fp4``, ``int8``)."""
+    rank: int = 16
+    """``adapter.r`` (alpha twice it)."""
+    extra: tuple[str, ...] = ()
+    """More job config overrides (``KEY=VALUE``), after the others."""
 
     @property
     def name(self) -> str:
@@ -96,7 +100,8 @@ class Case:
         device = f"{self.workers}{'gpu' if self.gpu else 'cpu'}"
         return (f"{self.shape}-{self.method}-z{self.stage}{offload}-{device}-b{self.micro_batch}x{self.seq_len}"
                 f"{'-ckpt' if self.checkpointing else ''}{'' if self.packing else '-pad'}{'' if self.data == 'math' else '-' + self.data}"
-                f"{'-' + self.precision if self.precision else ''}{'' if self.quantization == 'none' else '-' + self.quantization}")
+                f"{'-' + self.precision if self.precision else ''}{'' if self.quantization == 'none' else '-' + self.quantization}"
+                f"{'' if self.rank == 16 else f'-r{self.rank}'}")
 
     def overrides(self, model: str, out: Path) -> list[str]:
         # Packed rows fill every sequence, so micro-batches are micro_batch × seq_len tokens, as the
@@ -104,7 +109,8 @@ class Case:
         rows = max(256, self.steps * self.micro_batch * self.workers * (self.seq_len // 24 + 1))
         return [
             f"model.name_or_path={model}", f"model.gradient_checkpointing={str(self.checkpointing).lower()}",
-            f"adapter.method={self.method}", "adapter.r=16", "adapter.alpha=32",
+            f"adapter.method={self.method}", f"adapter.r={self.rank}", f"adapter.alpha={2 * self.rank}",
+            *([f"model.quantization={self.quantization}"] if self.quantization != "none" else []),
             *(["adapter.adalora_init_r=24"] if self.method == "adalora" else []),
             f"deepspeed.stage={self.stage}", f"deepspeed.offload_optimizer={str(self.offload != 'none').lower()}",
             f"deepspeed.offload_param={str(self.offload == 'all').lower()}",
@@ -119,6 +125,7 @@ class Case:
             "data.num_eval_rows=16", *self._data(),
             f"run.name=memcal-{self.name.replace('.', '_')}", f"run.storage_path={out / 'runs'}",
             f"tracking.uri=file://{(out / 'mlruns').resolve()}", "tracking.experiment=memory-calibration", "tracking.register=false",
+            *self.extra,
         ]
 
 
@@ -294,6 +301,19 @@ CASES: dict[str, list[Case]] = {
         Case("qwen2.5-1.5b", "lora", 2, micro_batch=2, seq_len=4096, data="mix", steps=3, quantization="int8"),
         Case("qwen2.5-3b", "lora", 2, micro_batch=1, seq_len=4096, data="mix", steps=3, quantization="int8"),
         Case("qwen2.5-7b", "lora", 0, micro_batch=1, seq_len=4096, data="mix", steps=3, quantization="int8"),
+    ],
+    # Held-out set N, after the ZeRO-3 replay's reuse scan (the embeddings kept gathered, the last layers
+    # gathered past the cap) and the all-gather stream's flat buffers, checked against the traced 14B and
+    # 7B nf4 runs of lease h200x2-81: two GPUs, about 4 minutes (the 7B model built once), fitted to
+    # nothing. 7B nf4 at rank 64 (its persistence threshold, 8·r·h, keeps k/v and every adapter whole;
+    # the live-parameter cap is the same) and at one 8k row (8K tokens per GPU: layers released but still
+    # queued join the gathers' pool). The benchmark's kernels (varlen attention, Liger's), named so that
+    # a dry run predicts what the run does.
+    "held-out-n": [
+        Case("qwen2.5-7b", "lora", 3, workers=2, micro_batch=1, seq_len=4096, data="mix", checkpointing=True, quantization="nf4",
+             rank=64, steps=3, extra=("model.attn_implementation=varlen", "model.kernels=liger")),
+        Case("qwen2.5-7b", "lora", 3, workers=2, micro_batch=1, seq_len=8192, data="mix", checkpointing=True, quantization="nf4",
+             steps=3, extra=("model.attn_implementation=varlen", "model.kernels=liger")),
     ],
     "tiny": [Case("tiny", "lora", 2, workers=2, micro_batch=32, seq_len=512, gpu=False, steps=4),
              Case("tiny", "lora", 3, "all", workers=2, micro_batch=8, seq_len=128, gpu=False, steps=4)],

@@ -152,11 +152,25 @@ def gathered(job: EstimateContext) -> int:
 
 def gathered_most(job: EstimateContext) -> int:
     """ZeRO-3: the most gathered at once, at the start of the backward pass or of the forward pass
-    (the all-gather stream's own peak, :func:`stream_pools`)."""
+    (the all-gather stream holds it, and with leaf layers at times more: :func:`gather_stream_held`)."""
     return max(gathered(job), gathered_at_start(job))
 
 
+def gather_stream_held(job: EstimateContext) -> int:
+    """ZeRO-3: the most the all-gather stream holds allocated at once. With leaf decoder layers, the
+    most gathered, or more where a coalesced gather's parameters are copied out of its flat buffer
+    beside what is gathered (:func:`_leaf_coordinator_replay`); otherwise :func:`gathered_most`."""
+    if job.gathers() and job.cfg.deepspeed.z3_leaf_layers:
+        return max(gathered_most(job), _leaf_coordinator_replay(job)[1])
+    return gathered_most(job)
+
+
 def _held_by_leaf_coordinator(job: EstimateContext) -> int:
+    """ZeRO-3 with leaf decoder layers: the most gathered at once in a step (:func:`_leaf_coordinator_replay`)."""
+    return _leaf_coordinator_replay(job)[0]
+
+
+def _leaf_coordinator_replay(job: EstimateContext) -> tuple[int, int]:
     """ZeRO-3 with leaf decoder layers: the most gathered at once in a step, by replaying DeepSpeed
     0.19.8's ``PartitionedParameterCoordinator`` on the step's module trace (the outer modules,
     embeddings, rotary, the layers, norm, the head where it runs as a module; the backward, with
@@ -173,12 +187,33 @@ def _held_by_leaf_coordinator(job: EstimateContext) -> int:
     at the loss, on a 4-bit base (four weights per stored element, so a bucket spans ~7 layers)
     every layer and the embeddings. Checked on CPU with DeepSpeed's coordinator (2 gloo ranks,
     24-layer tiny Qwen2, counting gathers in flight: every layer at the loss, with and without
-    checkpointing, reuse distance 0 or ~4 layers). The reuse-distance rule is applied as well. A
-    finite cap stops the run-ahead (the same CPU check capped at the head, the embeddings and one or
-    three layers: 4 of 10 layers, the embeddings and the head at the loss; this replay holds all but
-    the embeddings, one third of a layer there). zerolab derives such a cap for adapter training
-    (``ds_config.live_parameter_cap``); on two H200s the replay predicted the 7B's capped and uncapped
-    steps within +1.1% to +1.3% (lease h200x4-64)."""
+    checkpointing, reuse distance 0 or ~4 layers). A finite cap stops the run-ahead (the same CPU
+    check capped at the head, the embeddings and one or three layers: 4 of 10 layers, the embeddings
+    and the head at the loss). zerolab derives such a cap for adapter training
+    (``ds_config.live_parameter_cap``).
+
+    The reuse-distance rule is applied as ``__params_to_release`` scans: it counts every parameter of
+    each later module, persistent ones too, recursing into a module only where the module being
+    released is a leaf. From a decoder layer it counts whole layers, and at an outer module the whole
+    model, which it then keeps: the layers within the reuse distance of the forward pass's end stay
+    gathered, and once the prefetch has stopped at the cap the last of them are gathered on demand,
+    past it. From the embeddings it counts no decoder layer (their weights are their submodules') and
+    only the fused loss's head (an external parameter of the causal LM) before it meets the
+    embeddings again at the end of the backward pass: they stay gathered all step. Counting the
+    layers there instead released the embeddings after their forward and filled the cap with layers
+    (14B nf4 over two GPUs: the head and 23 layers, 5.85 GiB, where the allocator trace of lease
+    h200x2-81 has the embeddings, the head and 15 layers at the allocated peak, 4.82 GiB; allocated
+    +8.6%). Checked against DeepSpeed's coordinator on CPU (2 gloo ranks, a 48-layer Qwen2 with the 14B
+    nf4 shape's proportions of embeddings, layer, cap, bucket and reuse distance): the same gathered
+    elements at every fetch and release of a step.
+
+    Returns the most gathered at once and the most the all-gather stream holds allocated at once. A
+    coalesced gather (more than one parameter) lands in one flat buffer; waiting for it copies each
+    parameter out (``AllGatherCoalescedHandle.wait``, on the all-gather stream), and the buffer lives
+    as long as the handle, which the coordinator keeps for each of the bucket's parameters until its
+    fetch. So the stream holds, beside what is gathered, the buffer of each bucket waited for and not
+    yet fully fetched, and at a wait that bucket's: 5.848 GiB for 14B nf4 at the forward pass's start,
+    where its prefetch buckets span 7.75 and 4.5 layers (measured: 5.848, lease h200x2-81)."""
     s, k = job.shape, job.knobs
     layer = [(job.stored_numel(p), job.stored_bytes(p)) for p in job.inv
              if p.module.startswith("layers.") and not job.persistent(p)]
@@ -192,7 +227,6 @@ def _held_by_leaf_coordinator(job: EstimateContext) -> int:
         for j, nb in enumerate(layer):
             size[(i, j)] = nb
     fused = job.fused_loss
-    total = sum(n for n, _ in size.values())
     outer = ["peft", "lora", "causal_lm", "model"]
 
     def params(m):
@@ -210,8 +244,11 @@ def _held_by_leaf_coordinator(job: EstimateContext) -> int:
     order = forward + backward + ["embed"]
     queue = [(p, t) for t, m in enumerate(order) for p in params(m)]
     gathered = {p: False for p in size}
-    state = {"q": 0, "step": 0, "peak": 0, "numel": 0, "bytes": 0}  # numel and bytes: what is gathered
+    state = {"q": 0, "step": 0, "peak": 0, "numel": 0, "bytes": 0, "copying": 0}  # numel and bytes: what is gathered
     latest: dict = {}
+    in_flight: list[set] = []  # coalesced gathers not yet waited for
+    copied_out: list[tuple[set, set]] = []  # coalesced gathers waited for, and their parameters not yet fetched
+    buffers: dict[int, int] = {}
 
     def mark(p, on: bool) -> None:
         if gathered[p] != on:
@@ -226,8 +263,17 @@ def _held_by_leaf_coordinator(job: EstimateContext) -> int:
     def fetch(m) -> None:
         step = state["step"]
         own = params(m)
+        fresh = [p for p in own if not gathered[p]]
         for p in own:
             mark(p, True)
+        # Waiting for a coalesced gather (more than one parameter) copies each parameter out of its flat
+        # buffer, on the all-gather stream; the buffer stays with DeepSpeed's handle until the bucket's
+        # last parameter is fetched, beside the copies.
+        waited = [b for b in in_flight if not b.isdisjoint(own)]
+        flat = (sum(size[p][1] for p in fresh) if len(fresh) > 1 else 0) + sum(buffers[id(b)] for b in waited)
+        state["copying"] = max(state["copying"], state["bytes"] + flat + sum(buffers[id(b)] for b, _ in copied_out))
+        in_flight[:] = [b for b in in_flight if b.isdisjoint(own)]
+        copied_out[:] = [(b, left - set(own)) for b, left in copied_out + [(b, b) for b in waited] if left - set(own)]
         pending = {p for p in own if latest.get(p, -1) < step}
         seen: set = set()
         while state["q"] < len(queue) and len(seen) < len(pending):
@@ -247,19 +293,43 @@ def _held_by_leaf_coordinator(job: EstimateContext) -> int:
                 numel += size[p][0]
         for p in bucket:
             mark(p, True)
+        if len(bucket) > 1:
+            in_flight.append(bucket)
+            buffers[id(bucket)] = sum(size[p][1] for p in bucket)
         state["step"] += 1
         state["peak"] = max(state["peak"], state["bytes"])
+
+    # DeepSpeed's reuse scan (``__params_to_release``) counts every parameter of a later module, persistent
+    # ones included, and enters its submodules only where the module being released is a leaf: from a
+    # decoder layer it counts whole layers and, at an outer module, the whole model; from the embeddings
+    # (or the norm, or an unfused head) it counts only what a module holds itself, which for a decoder
+    # layer or an outer module is nothing but an external parameter (the fused loss's head).
+    layer_all = sum(job.stored_numel(p) for p in job.inv if p.module.startswith("layers."))
+    model_all = sum(job.stored_numel(p) * p.count for p in job.inv)
+
+    def held_itself(m) -> list:
+        """The parameters ``m`` holds itself (not through a submodule)."""
+        if m == "causal_lm" and fused and size[head][0]:
+            return [head]
+        return [] if isinstance(m, tuple) else params(m)
 
     def release(m, backward: bool = False) -> None:
         step = state["step"]
         candidates = {p for p in params(m) if latest.get(p, -1) <= step}
+        leaf = isinstance(m, tuple)
         traversed = 0
         for later in order[step:]:
             if traversed >= k.max_reuse_distance or not candidates:
                 break
-            container = later in outer and isinstance(m, tuple)
-            candidates.difference_update(size if container else params(later))
-            traversed += total if container else sum(size[p][0] for p in params(later))
+            if leaf and later in outer:
+                candidates.difference_update(size)
+                traversed += model_all
+            elif leaf and isinstance(later, tuple):
+                candidates.difference_update(params(later))
+                traversed += layer_all
+            else:
+                candidates.difference_update(held_itself(later))
+                traversed += sum(size[p][0] for p in held_itself(later))
         if backward:
             candidates |= set(params(m))
         for p in candidates:
@@ -276,7 +346,7 @@ def _held_by_leaf_coordinator(job: EstimateContext) -> int:
         if m in ("head", "norm") or (isinstance(m, tuple) and last):
             release(m, backward=True)
     fetch("embed")
-    return state["peak"]
+    return state["peak"], max(state["peak"], state["copying"])
 
 
 def _layer_gathered(job: EstimateContext) -> int:
@@ -448,12 +518,15 @@ def stream_pools(job: EstimateContext, phases: dict[str, int]) -> dict[str, int]
     """ZeRO-3 without parameter offload on GPUs: the peak of each CUDA stream's pool. torch's caching
     allocator never gives one stream's free blocks to another, and DeepSpeed gathers parameters on its
     own stream (``__allgather_stream``): the gathered weights have a pool of their own, whose peak
-    (the most gathered, plus :func:`gather_pending`) comes at another moment than the main stream's.
+    (what it holds allocated at most, :func:`gather_stream_held`: the most gathered, or with leaf
+    layers the gathered weights beside the flat buffers they are copied out of; plus
+    :func:`gather_pending`) comes at another moment than the main stream's.
     The main stream's: each phase without its gathered weights, with the allocator's churn
     (``reserved_factor_zero3``), and on a 4-bit base its load (:func:`quantized_load`), whose range
     it keeps (an int8 load's range goes to the gathers: 14B over two H200s, reserved 1.05 × the load).
     Traced over two H200s (lease h200x2-81): 7B split at 32K rows, main 13.77 GiB and gathers 8.98;
-    7B nf4, 5.81 (at the load) and 4.10; 14B nf4, 10.17 (at the load) and 5.85.
+    7B nf4, 5.81 (at the load) and 4.10; 14B nf4, 10.17 (at the load) and 5.85 (estimated 5.85, of which
+    1.02 the two prefetch buckets' flat buffers at the forward pass's start).
 
     ZeRO 1-2 (:func:`reduction_stream_gradients`): the reduction stream's pool holds the gradient
     partition's buffer, which the main stream cannot use at its forward/backward peak. Beside that
@@ -472,7 +545,7 @@ def stream_pools(job: EstimateContext, phases: dict[str, int]) -> dict[str, int]
         return {}
     held = {"forward/backward": gathered(job), "forward start": gathered_at_start(job)}
     main = max(v - held.get(k, 0) for k, v in phases.items() if k != "quantized load" or job.quantization in FOUR_BIT)
-    return {"main stream": int(main * job.cal.reserved_factor_zero3), "all-gather stream": gathered_most(job) + gather_pending(job)}
+    return {"main stream": int(main * job.cal.reserved_factor_zero3), "all-gather stream": gather_stream_held(job) + gather_pending(job)}
 
 
 def cached_blocks(job: EstimateContext) -> dict[str, int]:
