@@ -51,15 +51,19 @@ class Calibration:
     reserved_factor_zero3: float = 1.049
     """The same under ZeRO-3, which gathers and frees every frozen weight each pass (measured
     1.04-1.06 with LoRA without parameter offload)."""
-    gather_pending_layers_per_doubling: float = 5.0
+    gather_pending_layers_per_doubling: float = 4.0
     """ZeRO-3 without parameter offload: decoder layers' gathered weights that the all-gather stream's
     pool still holds after DeepSpeed released them, for each doubling of a GPU's tokens per micro-batch
-    past 4,096 (at most every layer: :func:`~zerolab.memory.terms.gather_pending`). The host releases
-    a layer once it has queued its kernels; the block is reusable only once the GPU has run them, so
-    the further the GPU lags (the longer its work per layer), the more released layers the pool
-    holds. Traced (7B split over two H200s at 32K rows, lease h200x2-81): 3.8 GiB allocated and 5.2
-    pending free at that pool's peak. Fitted to the pools of the 7B's runs at 8K, 16K and 64K tokens
-    per GPU (h200x4-65, h200x2-72): 5.4, 10.8-12.4 and 17.5 layers; 0.7 at 4K."""
+    past 4,096 (at most :attr:`gather_pending_layers_max`: :func:`~zerolab.memory.terms.gather_pending`).
+    The host releases a layer once it has queued its kernels; the block is reusable only once the GPU
+    has run them, so the further the GPU lags (the longer its work per layer), the more released
+    layers the pool holds. Traced (7B split over two H200s at 32K rows, lease h200x2-81): 3.8 GiB
+    allocated and 5.2 pending free at that pool's peak. Fitted to the reserved peaks of the 7B's
+    runs at 8K-64K tokens per GPU (h200x4-65, h200x2-72, h200x2-82, h100x2-84) beside the rest of the
+    pool (:func:`~zerolab.memory.terms.gather_stream_held`: the gathered weights and the flat buffers
+    they are copied out of): 1.6-4.9 layers per doubling by run (four 4k rows the fewest, a 32K row
+    split over two H100s the most); 4 keeps each of them from −3.2% to +4.6%. (It was 5 when the pool
+    counted the gathered weights alone.)"""
     gather_pending_layers_max: float = 17.5
     """The most released layers the all-gather stream's pool holds however long the GPU's work per
     layer: the host runs ahead of the GPU only as far as CUDA's queue of launched work lets it, so
