@@ -71,8 +71,11 @@ def test_the_loader_quantizes_every_decoder_projection_and_nothing_else(kind, ti
         plain_logits = plain(PROBE).logits.float()
     # An evaluation pass keeps the training layout (bitsandbytes would repack it for its CPU kernel).
     assert torch.equal(weight.detach().view(torch.uint8), packed)
-    # Quantization error, not another model: close to the bf16 model's logits.
-    assert (quantized_logits - plain_logits).abs().mean() < 0.2 * plain_logits.abs().mean()
+    # Quantization error, not another model: close to the bf16 model's logits. FP4's grid is coarser
+    # than NF4's (its error measured 3-5 times NF4's on this model, 0.21-0.32 of the logits' mean
+    # magnitude depending on the CPU's kernels).
+    bound = 0.45 if kind == "fp4" else 0.2
+    assert (quantized_logits - plain_logits).abs().mean() < bound * plain_logits.abs().mean()
 
 
 def test_dequantized_layers_compute_what_the_quantized_ones_did(tiny_model_path):
