@@ -10,9 +10,8 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from conftest import free_port, rows_of, step_gradients
+from conftest import on_two_ranks, rows_of, step_gradients
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
 """CPU: host copies are plain copies; cuda (the GPU tier): pinned host memory, side-stream copies."""
@@ -395,13 +394,6 @@ def train_variant(rank: int, overrides: list[str]) -> tuple:
     return losses, grads, weights
 
 
-def on_two_ranks(variants: dict[str, list[str]]) -> dict:
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(variant_worker, args=(variants, free_port(), results), nprocs=2)
-        return dict(results)
-
-
 def assert_trains_as(results: dict, name: str, reference: str) -> None:
     losses, grads, weights, *_ = results[name]
     ref_losses, ref_grads, ref_weights, *_ = results[reference]
@@ -424,7 +416,7 @@ BOTH = [*OFFLOAD, "model.tiled_mlp=3"]
 def test_long_row_settings_train_as_the_plain_path_under_zero2():
     """LoRA under ZeRO-2 (gradients reduced in DeepSpeed's hooks as they are produced): checkpoint
     offload, the tiled MLP, both, and both on packed rows, each against checkpointing alone."""
-    results = on_two_ranks({"plain": CKPT, "offload": OFFLOAD, "tiled": [*CKPT, "model.tiled_mlp=3"], "both": BOTH,
+    results = on_two_ranks(variant_worker, {"plain": CKPT, "offload": OFFLOAD, "tiled": [*CKPT, "model.tiled_mlp=3"], "both": BOTH,
                             "packed": [*CKPT, "data.packing=true"], "packed both": [*BOTH, "data.packing=true"]})
     for name in ("offload", "tiled", "both"):
         assert_trains_as(results, name, "plain")
@@ -445,7 +437,7 @@ def test_long_row_settings_train_as_the_plain_path(method, stage):
     variants = {"plain": [*common, *CKPT], "both": [*common, *BOTH]}
     if stage == 3:
         variants["per-module both"] = [*common, *BOTH, "deepspeed.z3_leaf_layers=false"]
-    results = on_two_ranks(variants)
+    results = on_two_ranks(variant_worker, variants)
     for name in variants:
         if name != "plain":
             assert_trains_as(results, name, "plain")

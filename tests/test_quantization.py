@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from conftest import free_port, save_random_qwen2, tiny_overrides
+from conftest import on_two_ranks, save_random_qwen2, tiny_overrides
 from zerolab import quantization
 from zerolab.config import ConfigError, ModelSpec, load_config
 
@@ -306,21 +305,14 @@ def _steps_worker(rank: int, overrides: list[str], port: int, results: dict) -> 
     zero3.close()
 
 
-def _train_on_two_ranks(overrides: list[str]) -> dict:
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_steps_worker, args=(overrides, free_port(), results), nprocs=2)
-        return dict(results)
-
-
 @pytest.mark.slow  # the whole-job test below trains nf4 under ZeRO-3 on two workers in CI
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
 def test_zero3_shards_the_quantized_base_and_trains_as_zero2_does(kind):
     """ZeRO-3 partitions the quantized weights (the 4-bit ones packed in bf16, the int8 ones as
     int8) and gathers them back whole with their constants: the first loss is ZeRO-2's to bf16
     rounding, and both train."""
-    z2 = _train_on_two_ranks([f"model.quantization={kind}", "deepspeed.stage=2"])
-    z3 = _train_on_two_ranks([f"model.quantization={kind}", "deepspeed.stage=3"])
+    z2 = on_two_ranks(_steps_worker, [f"model.quantization={kind}", "deepspeed.stage=2"])
+    z3 = on_two_ranks(_steps_worker, [f"model.quantization={kind}", "deepspeed.stage=3"])
     assert z3[0]["partitioned"] and not z2[0]["partitioned"]
     for rank in (0, 1):
         assert z3[rank]["losses"][0] == pytest.approx(z2[rank]["losses"][0], rel=2e-3)
@@ -400,10 +392,7 @@ def test_zero3_holds_half_the_quantized_weights_per_rank_through_a_step(wide_mod
     autograd context kept every layer's gathered weight until the backward, the whole model again),
     and the step adds the adapters' optimizer state. A weight DeepSpeed released is gathered for a
     backward that needs it and released after."""
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_memory_worker, args=(wide_model_path, free_port(), results), nprocs=2)
-        results = dict(results)
+    results = on_two_ranks(_memory_worker, wide_model_path)
     problems = []
     for rank in (0, 1):
         for kind, m in results[rank].items():

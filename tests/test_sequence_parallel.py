@@ -10,9 +10,8 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from conftest import free_port, rows_of, tiny_overrides
+from conftest import on_two_ranks, rows_of, tiny_overrides
 
 ACCUM = 2
 LENGTHS = [6, 9, 14]
@@ -154,10 +153,7 @@ def sp_worker(rank: int, sp: int, stage: int, extra: tuple[str, ...], port: int,
 
 
 def run_two_ranks(sp: int, stage: int, extra: tuple[str, ...] = ()) -> dict:
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(sp_worker, args=(sp, stage, extra, free_port(), results), nprocs=2)
-        return dict(results)
+    return on_two_ranks(sp_worker, sp, stage, extra)
 
 
 @pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 2, 3])

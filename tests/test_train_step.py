@@ -12,9 +12,8 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from conftest import free_port, rows_of, step_gradients
+from conftest import free_port, on_two_ranks, rows_of, step_gradients
 
 ACCUM = 2
 
@@ -78,14 +77,6 @@ def worker(rank: int, stage: int, mode: str, port: int, results: dict) -> None:
     if rank == 0:
         results["applied"] = {k: before[k] - p.detach().float() for k, p in engine.module.named_parameters()}
         results["norm"] = None if norm is None else float(norm)
-
-
-def on_two_ranks(target, *args: object) -> dict:
-    """Run ``target(rank, *args, port, results)`` on two spawned ranks; returns what they put in ``results``."""
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(target, args=(*args, free_port(), results), nprocs=2)
-        return dict(results)
 
 
 def run_step(stage: int, mode: str) -> tuple[dict[str, torch.Tensor], float | None]:
