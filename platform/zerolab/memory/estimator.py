@@ -172,7 +172,7 @@ def build_estimate(job: EstimateContext) -> Estimate:
     if job.stage == 3 and pools and sum(pools.values()) > max(phases.values()) * job.cal.reserved_factor_zero3:
         job.notes.append(f"ZeRO-3: reserved counts the gathered weights' own allocator pool ({pools['all-gather stream'] / GIB:.1f} GiB, "
                          f"with {gather_pending(job) / GIB:.1f} GiB of layers released but still queued on the GPU) beside "
-                         f"the main stream's ({pools['main stream'] / GIB:.1f} GiB); within -3.2% .. +4.6% of the reserved memory measured "
+                         f"the main stream's ({pools['main stream'] / GIB:.1f} GiB); within -3.2% .. +5.2% of the reserved memory measured "
                          f"on two H200s and two H100s (docs/memory.md)")
     return Estimate(
         option=job.option, shape=job.shape, world_size=job.n, use_gpu=job.gpu, precision=job.cfg.precision(),
