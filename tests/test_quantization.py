@@ -189,6 +189,19 @@ def test_a_worker_logs_the_int8_cast_warning_once(tiny_model_path, caplog, monke
     assert len(casts) == 1, len(casts)
 
 
+def test_a_worker_drops_bitsandbytes_hint_about_a_hub_kernel(caplog):
+    """bitsandbytes' import warns on an AVX-512 BF16 CPU that it could not fetch a Hub kernel (every
+    worker of every CPU job, where peft imports it); a worker's logging drops that line, not errors."""
+    from zerolab.worker_log import setup_worker_logging
+
+    setup_worker_logging(own_handler=False)
+    cpu_ops = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    with caplog.at_level(logging.WARNING):
+        cpu_ops.warning("Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'.")
+        cpu_ops.error("a real failure")
+    assert [r.getMessage() for r in caplog.records] == ["a real failure"]
+
+
 def test_the_estimate_counts_packed_weights_and_their_constants():
     """7B shape: nf4 stores each projection weight in half a byte plus its constants; the
     embeddings, head and norms stay bf16; ZeRO-3 over two GPUs splits the packed bytes but not the

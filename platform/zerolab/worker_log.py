@@ -41,6 +41,11 @@ def setup_worker_logging(*, own_handler: bool) -> None:
     int8 = logging.getLogger("bitsandbytes.autograd._functions")
     if not any(isinstance(f, OncePerMessage) for f in int8.filters):
         int8.addFilter(OncePerMessage())
+    # bitsandbytes, which peft imports wherever it is installed, warns at its import on a CPU with
+    # AVX-512 BF16 that it could not fetch a faster 4-bit CPU kernel from the Hugging Face Hub ("pip
+    # install kernels"): on every worker of every CPU job, quantized or not. zerolab downloads no code;
+    # its errors still come through.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # DeepSpeed still calls torch.distributed's deprecated collectives on every step.
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
