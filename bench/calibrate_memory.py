@@ -120,7 +120,6 @@ class Case:
             "scaling.launch=workers",
             f"train.precision={self.precision or ('bf16' if self.gpu else 'fp32')}", f"train.micro_batch_size={self.micro_batch}",
             f"train.max_steps={self.steps}", "train.log_every_n_steps=2", "train.lr=1e-4",
-            *([f"model.quantization={self.quantization}"] if self.quantization != "none" else []),
             f"data.packing={str(self.packing).lower()}", f"data.max_seq_length={self.seq_len}", f"data.num_train_rows={rows}",
             "data.num_eval_rows=16", *self._data(),
             f"run.name=memcal-{self.name.replace('.', '_')}", f"run.storage_path={out / 'runs'}",
