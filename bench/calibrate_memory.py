@@ -290,12 +290,10 @@ CASES: dict[str, list[Case]] = {
         Case("qwen2.5-0.5b", "full", 2, workers=2, micro_batch=8, seq_len=512, packing=False, data="mix", steps=4),
         Case("qwen2.5-0.5b", "full", 1, workers=2, micro_batch=16, seq_len=128, packing=False, steps=4),
     ],
-    # Held-out set M: LLM.int8()'s held outlier columns without checkpointing, in shapes between the
-    # measured ones. The estimate counts all of down's columns (activations.int8_outlier_columns);
-    # in these random-init shapes about 2.5% (1.5B) and 33% (3B) of them hold a value past 6 over
-    # 8k tokens, and all of them at 7B, so 1.5B and 3B should come out over by about 97% and 67% of
-    # that count and 7B within range. Adapter dropout (the default 0.05) leaves the normed inputs
-    # and down's input to the products. One H100, about 4 minutes.
+    # Held-out set M: int8 bases without checkpointing, in shapes between the measured ones, with the
+    # default adapter dropout (0.05): peft's LoRA forward over zerolab's int8 products, which keep
+    # nothing of their inputs (zerolab.quantized_products), where bitsandbytes' own kept the normed
+    # inputs, down's input and its outlier columns. One H100, about 4 minutes.
     "held-out-m-int8": [
         Case("qwen2.5-1.5b", "lora", 2, micro_batch=2, seq_len=4096, data="mix", steps=3, quantization="int8"),
         Case("qwen2.5-3b", "lora", 2, micro_batch=1, seq_len=4096, data="mix", steps=3, quantization="int8"),

@@ -385,8 +385,8 @@ SUITES: dict[str, list[Run]] = {
             timeout_s=420, overrides=("scaling.sequence_parallel_size=2",)),
         Run("zerolab", "qwen2.5-7b", gpus=2, stage=3, micro_batch=2, steps=6, window=3, checkpointing=True, variant="nf4-mb2-ckpt",
             timeout_s=300, overrides=("model.quantization=nf4",))],
-    # The held-out check of what LLM.int8()'s product keeps per token (zerolab.memory.activations.int8_held_inputs,
-    # fitted to 7B at one checkpointed 4k row): twice the tokens, and the 0.5B shape without checkpointing.
+    # int8 bases at two rows: 7B with checkpointing, the 0.5B shape without (the rows that once checked
+    # LLM.int8()'s held inputs and outlier columns, which zerolab's own products no longer keep).
     "int8-heldout": [
         Run("zerolab", "qwen2.5-7b", stage=2, micro_batch=2, steps=8, window=4, checkpointing=True, variant="int8-mb2-ckpt", timeout_s=300,
             overrides=("model.quantization=int8",)),

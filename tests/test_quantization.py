@@ -99,7 +99,7 @@ def test_the_zero3_product_computes_what_bitsandbytes_does_and_caches_nothing(ki
     product and outlier columns); an int8 layer keeps no copy of its weight after it (bitsandbytes'
     caches it in ``state.CB``)."""
     from zerolab.models import load_model
-    from zerolab.quantized_products import compute_from_gathered_weights
+    from zerolab.quantized_products import keep_nothing_between_products
 
     model = load_model(ModelSpec(quantization=kind), torch.bfloat16, torch.device(device) if device == "cuda" else None)
     layers = quantization.quantized_layers(model)
@@ -120,7 +120,7 @@ def test_the_zero3_product_computes_what_bitsandbytes_does_and_caches_nothing(ki
         return out
 
     expected = {mode: run(mode) for mode in (True, False)}
-    assert compute_from_gathered_weights(model) == len(layers) == 28
+    assert keep_nothing_between_products(model) == len(layers) == 28
     for mode in (True, False):
         for name, (y, grad) in run(mode).items():
             assert torch.equal(y, expected[mode][name][0]), name
@@ -131,10 +131,11 @@ def test_the_zero3_product_computes_what_bitsandbytes_does_and_caches_nothing(ki
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
-def test_fused_lora_on_a_4bit_base_gives_peft_loss_and_gradients(device, tiny_model_path):
-    """The fused LoRA forward on an nf4 base (one autograd node per projection: bitsandbytes'
-    product, the adapter's and their sum) against peft's own on the same weights and rows: the loss
-    and every adapter gradient; with dropout the layers keep peft's forward, to the bit."""
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_fused_lora_on_a_quantized_base_gives_peft_loss_and_gradients(kind, device, tiny_model_path):
+    """The fused LoRA forward on an nf4 or int8 base (one autograd node per projection:
+    bitsandbytes' product, the adapter's and their sum) against peft's own on the same weights and
+    rows: the loss and every adapter gradient; with dropout the layers keep peft's forward, to the bit."""
     from zerolab import kernels
     from zerolab.adapters import apply_adapter
     from zerolab.config import AdapterSpec
@@ -144,7 +145,7 @@ def test_fused_lora_on_a_4bit_base_gives_peft_loss_and_gradients(device, tiny_mo
 
     def run(fuse: bool, dropout: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor], set[str]]:
         torch.manual_seed(0)
-        model = load_model(ModelSpec(quantization="nf4"), torch.bfloat16, torch.device(device) if device == "cuda" else None)
+        model = load_model(ModelSpec(quantization=kind), torch.bfloat16, torch.device(device) if device == "cuda" else None)
         model = apply_adapter(model, AdapterSpec(method="lora", r=4, alpha=8, dropout=dropout), 10).train()
         with torch.no_grad():  # lora_B starts at zero, which would hide its product
             for name, p in model.named_parameters():
@@ -169,6 +170,73 @@ def test_fused_lora_on_a_4bit_base_gives_peft_loss_and_gradients(device, tiny_mo
     assert ((flat - ref_flat).norm() / ref_flat.norm()).item() < 4e-2
     (loss, grads, nodes), (ref_loss, ref_grads, _) = run(True, dropout=0.1), run(False, dropout=0.1)
     assert torch.equal(loss, ref_loss) and all(torch.equal(g, ref_grads[k]) for k, g in grads.items())
+
+
+def test_bitsandbytes_int8_product_keeps_its_input_and_its_outlier_columns_on_the_context():
+    """Why zerolab runs a quantized base's products itself (``zerolab.quantized_products``): with a
+    frozen int8 weight and an input that needs a gradient, bitsandbytes' ``MatMul8bitLt`` keeps
+    ``(CAt, subA, A)`` as a plain attribute of its context (nothing in ``save_for_backward``, so
+    checkpointing cannot drop them): the input itself (same storage) and a copy of its outlier
+    columns (those with a value of at least the threshold), which a frozen weight's backward never reads."""
+    import bitsandbytes as bnb
+    from bitsandbytes.autograd._functions import MatMul8bitLt
+
+    torch.manual_seed(0)
+    layer = bnb.nn.Linear8bitLt(16, 8, bias=False, has_fp16_weights=False, threshold=6.0)
+    layer.weight = bnb.nn.Int8Params(torch.randn(8, 16) * 0.1, requires_grad=False, has_fp16_weights=False)
+    layer = layer.to("cpu")  # quantizes the weight: int8 rows and their scales
+    x = torch.randn(2, 5, 16, dtype=torch.bfloat16, requires_grad=True)
+    with torch.no_grad():
+        x[0, 1, 3], x[1, 2, 11] = 9.0, -7.0  # two outlier columns, one token each
+    out = MatMul8bitLt.apply(x, layer.weight, None, None, layer.state)
+    cat, sub_a, a = out.grad_fn.tensors
+    assert cat is None and len(out.grad_fn.saved_tensors) == 0
+    assert a.data_ptr() == x.data_ptr() and a.shape == (10, 16)
+    assert sub_a.shape == (10, 2) and sub_a.dtype == torch.bfloat16 and sub_a.data_ptr() != x.data_ptr()
+    assert out.grad_fn.tensor_states[1].tolist() == [3, 11]
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_a_quantized_step_keeps_nothing_outside_autograds_saved_tensors(kind, dropout, tiny_model_path):
+    """Through zerolab's products (the fused LoRA node; with dropout peft's forward over
+    ``keep_nothing_between_products``) no node of a QLoRA step's graph holds a tensor outside its
+    saved tensors, which checkpointing drops and the memory estimate counts; bitsandbytes' own
+    layers hold the input (and LLM.int8()'s outlier columns; on CPU its ``MatMul8bitFp`` the input)
+    on their nodes."""
+    from zerolab import kernels
+    from zerolab.adapters import apply_adapter
+    from zerolab.config import AdapterSpec
+    from zerolab.models import load_model
+    from zerolab.quantized_products import keep_nothing_between_products
+
+    ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(0))
+
+    def held_outside(ours: bool) -> int:
+        torch.manual_seed(0)
+        model = load_model(ModelSpec(quantization=kind), torch.bfloat16)
+        model = apply_adapter(model, AdapterSpec(method="lora", r=4, alpha=8, dropout=dropout), 10).train()
+        if ours:
+            kernels.fuse_lora(model)
+            keep_nothing_between_products(model)
+        loss = model(input_ids=ids, labels=ids).loss
+        seen, stack, holding = set(), [loss.grad_fn], 0
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            kept = [v for value in getattr(node, "__dict__", {}).values()  # an autograd function's context
+                    for v in (value if isinstance(value, tuple | list) else (value,))]
+            holding += any(isinstance(v, torch.Tensor) for v in kept)
+            stack.extend(n for n, _ in node.next_functions)
+        loss.backward()  # the graph is whole: every adapter gets its gradient
+        assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
+        return holding
+
+    # All but the first layer's q/k/v, whose input (from the frozen embeddings) needs no gradient.
+    assert held_outside(ours=False) == 25
+    assert held_outside(ours=True) == 0
 
 
 def test_a_worker_logs_the_int8_cast_warning_once(tiny_model_path, caplog, monkeypatch):
@@ -228,14 +296,12 @@ def test_the_estimate_counts_packed_weights_and_their_constants():
     int8 = estimate(load_config(None, [*overrides, "model.quantization=int8"]), config)
     rows = sum(o for _, o in shape.linear_shapes().values()) * shape.num_layers
     assert int8.device["weights"] == pytest.approx(linear + 4 * rows + rest * 2 + adapters, rel=1e-6)
-    # LLM.int8()'s product keeps, per token and layer, q/k/v's, o's, gate/up's and down's inputs and
-    # down's outlier columns (all of them in the estimate) outside what checkpointing drops.
-    h, q_dim, inter = shape.hidden_size, shape.q_dim, shape.intermediate_size
-    tokens = int8.micro_batch_size * int8.seq_len
-    assert int8.device["activations"] - nf4.device["activations"] == tokens * shape.num_layers * 2 * (2 * h + q_dim + 2 * inter)
-    zero3 = estimate(load_config(None, [*overrides, "model.quantization=int8", "deepspeed.stage=3"]), config)
-    assert zero3.device["activations"] == estimate(load_config(None, [*overrides, "model.quantization=nf4", "deepspeed.stage=3"]),
-                                                   config).device["activations"]
+    # zerolab's products keep nothing of their inputs (zerolab.quantized_products): the activations
+    # are a 4-bit base's, at every stage.
+    for stage in (2, 3):
+        assert estimate(load_config(None, [*overrides, "model.quantization=int8", f"deepspeed.stage={stage}"]), config).device[
+            "activations"] == estimate(load_config(None, [*overrides, "model.quantization=nf4", f"deepspeed.stage={stage}"]),
+                                       config).device["activations"]
 
 
 def test_every_rank_reads_a_quantized_base_under_zero3_too():

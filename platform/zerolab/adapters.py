@@ -36,7 +36,14 @@ def apply_adapter(model: torch.nn.Module, spec: AdapterSpec, total_steps: int) -
     # bf16/fp16 under ZeRO 0-2 but not under ZeRO-3, where every adapter product then ran in fp32
     # (no tensor cores) with casts around it: a fifth of a 7B ZeRO-3 step's GPU time. The
     # optimizer keeps fp32 master weights either way.
-    return get_peft_model(model, config, autocast_adapter_dtype=False)
+    model = get_peft_model(model, config, autocast_adapter_dtype=False)
+    # peft gives a layer's adapter its base weight's dtype only where that is a float: on an int8
+    # base (LLM.int8()) they stay fp32, and the fused LoRA node takes one dtype throughout.
+    dtype = model.get_input_embeddings().weight.dtype
+    for p in model.parameters():
+        if p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return model
 
 
 def numel(p: torch.Tensor) -> int:

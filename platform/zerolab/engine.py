@@ -116,9 +116,10 @@ def initialize_engine(model: torch.nn.Module, cfg: SFTConfig, ds_config: dict, t
     creates it; a resumed run loads its own.
 
     Under ZeRO-3 with ``deepspeed.z3_leaf_layers`` the decoder layers become leaf modules first
-    (:func:`make_zero3_leaf_layers`), and a quantized base's layers compute from the weights ZeRO-3
-    gathers for them, keeping no whole copy beside the partitions
-    (:func:`zerolab.quantized_products.compute_from_gathered_weights`).
+    (:func:`make_zero3_leaf_layers`). A quantized base's layers keep nothing of their input or weight
+    between their forward and backward, and under ZeRO-3 compute from the weights it gathers for
+    them, keeping no whole copy beside the partitions
+    (:func:`zerolab.quantized_products.keep_nothing_between_products`).
     """
     import deepspeed
     from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
@@ -129,10 +130,11 @@ def initialize_engine(model: torch.nn.Module, cfg: SFTConfig, ds_config: dict, t
         layers = make_zero3_leaf_layers(model)
         log_rank0("ZeRO-3: %d decoder layers (%s) gathered as one leaf module each", len(layers),
                   type(layers[0]).__name__ if layers else "none found")
-    if zero3 and cfg.model.quantization != "none":
-        from zerolab.quantized_products import compute_from_gathered_weights  # bitsandbytes is an optional extra
+    if cfg.model.quantization != "none":
+        from zerolab.quantized_products import keep_nothing_between_products  # bitsandbytes is an optional extra
 
-        log_rank0("ZeRO-3: %d quantized layers compute from their gathered weights", compute_from_gathered_weights(model))
+        log_rank0("%d quantized layers keep nothing between their forward and backward%s", keep_nothing_between_products(model),
+                  ", computing from their gathered weights" if zero3 else "")
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=build_optimizer(model, cfg),

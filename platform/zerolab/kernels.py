@@ -25,8 +25,9 @@
   two. Plain LoRA (rsLoRA too) with one active adapter, on any device, at any ZeRO stage (ZeRO-3
   with leaf layers: its per-module hooks would gather a weight only around its own module's call);
   other layers keep peft's forward, and a compiled layer gets the same products without the
-  one-node backward (Inductor fuses its own). On a 4-bit base the node runs bitsandbytes' product
-  and dequantizes the weight for its backward as bitsandbytes does, where peft's layer is six
+  one-node backward (Inductor fuses its own). On a quantized base (4-bit or int8) the node runs
+  bitsandbytes' product and dequantizes the weight for its backward as bitsandbytes does, keeping
+  nothing of the product beside its saved input, where peft's layer is six
   autograd nodes (bitsandbytes' product, a defensive copy of its output, A's and B's products,
   the scale and the sum), each a round of host work in a QLoRA step that the host already bounds
   (7B at one checkpointed 4k row: the GPU busy 380 of 612 ms).
@@ -263,18 +264,18 @@ def _fused_loss_forward(self: Any, input_ids: torch.Tensor | None = None, attent
 
 
 def fuse_lora(model: torch.nn.Module) -> int:
-    """Give every plain peft LoRA ``Linear`` of ``model``, and every LoRA layer on a 4-bit base, the
-    fused forward; returns how many. Call after the adapter is applied; under ZeRO-3 without leaf
-    layers they keep taking peft's forward."""
+    """Give every plain peft LoRA ``Linear`` of ``model``, and every LoRA layer on a quantized
+    (4-bit or int8) base, the fused forward; returns how many. Call after the adapter is applied;
+    under ZeRO-3 without leaf layers they keep taking peft's forward."""
     from peft.tuners.lora.layer import Linear
 
-    four_bit = _four_bit_lora_type()
+    quantized_types = _quantized_lora_types()
     count = 0
     for module in model.modules():
         if type(module) is Linear:  # not its subclasses (AdaLoRA's SVD layers)
             module.forward = types.MethodType(_lora_addmm_forward, module)
             count += 1
-        elif four_bit is not None and type(module) is four_bit:
+        elif type(module) in quantized_types:
             from zerolab.quantized_products import QuantizedProduct  # bitsandbytes is an optional extra
 
             module.zerolab_base_product = QuantizedProduct(module.base_layer)
@@ -283,13 +284,13 @@ def fuse_lora(model: torch.nn.Module) -> int:
     return count
 
 
-def _four_bit_lora_type() -> type | None:
-    """peft's LoRA layer on a bitsandbytes 4-bit base (None without bitsandbytes)."""
+def _quantized_lora_types() -> tuple[type, ...]:
+    """peft's LoRA layers on bitsandbytes' 4-bit and int8 bases (none without bitsandbytes)."""
     if importlib.util.find_spec("bitsandbytes") is None:
-        return None
+        return ()
     from peft.tuners.lora import bnb as peft_bnb
 
-    return getattr(peft_bnb, "Linear4bit", None)
+    return tuple(t for t in (getattr(peft_bnb, "Linear4bit", None), getattr(peft_bnb, "Linear8bitLt", None)) if t is not None)
 
 
 def _lora_addmm_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -300,15 +301,18 @@ def _lora_addmm_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -
     other variants, a bias on B, mixed dtypes, ZeRO-3 weights gathered module by module — takes
     peft's own forward.
 
-    On a 4-bit base (``zerolab_base_product``, set by :func:`fuse_lora`) the whole layer is one
+    On a quantized base (``zerolab_base_product``, set by :func:`fuse_lora`) the whole layer is one
     autograd node or peft's forward: peft's adds a copy of the base product's output (a
-    defensive clone) to the scale and the add, and bitsandbytes' product is a node of its own."""
+    defensive clone) to the scale and the add, and bitsandbytes' product is a node of its own,
+    which keeps its input outside autograd's saved tensors (LLM.int8()'s also a copy of the
+    input's outlier columns, ``zerolab.quantized_products``)."""
     names = self.active_adapters
     name = names[0] if len(names) == 1 else None
     a_layer, b_layer = (self.lora_A[name], self.lora_B[name]) if name in self.lora_A else (None, None)
     base = self.base_layer
     quantized = self.__dict__.get("zerolab_base_product")
-    base_dtype = base.compute_dtype if quantized is not None else base.weight.dtype
+    # A 4-bit product computes in the layer's compute dtype; LLM.int8()'s returns its input's.
+    base_dtype = getattr(base, "compute_dtype", x.dtype) if quantized is not None else base.weight.dtype
     if (a_layer is None or args or kwargs or self.disable_adapters or self.merged or name in self.lora_variant
             or b_layer.bias is not None or not _gathered_with_layer(base.weight, a_layer.weight, b_layer.weight)
             or not x.dtype == a_layer.weight.dtype == b_layer.weight.dtype == base_dtype):

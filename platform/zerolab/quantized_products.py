@@ -1,7 +1,8 @@
-"""A quantized base's products under ZeRO-3: each bitsandbytes layer computes from the weight
-DeepSpeed gathers for it and keeps no reference to that weight once its forward returns.
+"""A quantized base's products, at every ZeRO stage: each bitsandbytes layer computes from its
+weight as it is at that moment (under ZeRO-3, as DeepSpeed gathers it) and keeps nothing between
+its forward and its backward outside autograd's saved tensors.
 
-bitsandbytes' own layers keep the whole weight beside ZeRO-3's partition:
+bitsandbytes' own layers keep the input, and under ZeRO-3 the whole weight beside its partition:
 
 - 4-bit (``Linear4bit`` → ``MatMul4Bit``): the autograd context keeps the weight it multiplied by, a
   view of the gathered buffer, as a plain attribute (``ctx.tensors``), not through
@@ -19,8 +20,16 @@ with no gradient recorded, inside an autograd function that keeps the *parameter
 its backward dequantizes the parameter's data as DeepSpeed gathered it again for the layer's
 backward (as DeepSpeed's own ``LinearFunctionForZeroStage3`` does for plain linear layers). The
 base weights are frozen: only the input (and a trainable bias) get gradients. Nothing of the input
-is kept either: bitsandbytes' int8 product keeps its input (and the input's outlier columns) outside
-``save_for_backward``, which gradient checkpointing cannot drop."""
+is kept either. bitsandbytes' products keep their input outside ``save_for_backward`` (``ctx.tensors``),
+where gradient checkpointing cannot drop it, and LLM.int8()'s also a copy of the input's outlier
+columns (``subA``, every column with a value of at least the threshold), which only a trainable
+weight's gradient reads: with a frozen int8 base that copy was held from every product's forward
+to its backward for nothing (0.5B at two 4k rows without checkpointing: 1.8 GiB, all of down's
+columns in a random-init 7B or 14B).
+
+The LoRA layers on a quantized base take these products through the fused LoRA node
+(``zerolab.kernels.fuse_lora``: :class:`QuantizedProduct`), the other quantized layers through
+:func:`keep_nothing_between_products`."""
 
 from __future__ import annotations
 
@@ -36,12 +45,12 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from zerolab.quantization import quantized_layers
 
 
-def compute_from_gathered_weights(model: torch.nn.Module) -> int:
-    """Make every bitsandbytes layer of ``model`` compute from the weight as ZeRO-3 gathers it and
-    hold nothing of it between products; returns how many layers changed. Call before
-    ``deepspeed.initialize``: an int8 layer's cached copy of its weight is dropped here, so the
-    partitioning frees the whole tensor. The products and their input gradients equal
-    bitsandbytes' own (``tests/test_quantization.py``)."""
+def keep_nothing_between_products(model: torch.nn.Module) -> int:
+    """Make every bitsandbytes layer of ``model`` compute from its weight as it is at each call
+    (under ZeRO-3, as DeepSpeed gathers it) and hold nothing of the weight or the input between
+    products; returns how many layers changed. Call before ``deepspeed.initialize``: an int8 layer's
+    cached copy of its weight is dropped here, so ZeRO-3's partitioning frees the whole tensor. The
+    products and their input gradients equal bitsandbytes' own (``tests/test_quantization.py``)."""
     layers = quantized_layers(model)
     for layer in layers.values():
         if isinstance(layer, bnb.nn.Linear8bitLt):
@@ -90,7 +99,7 @@ class _GatheredProduct(torch.autograd.Function):
 
 
 class QuantizedProduct:
-    """A 4-bit layer's frozen product as the fused LoRA node takes it (``zerolab.kernels.fuse_lora``:
+    """A quantized layer's frozen product as the fused LoRA node takes it (``zerolab.kernels.fuse_lora``:
     the base product, the adapter's products and their sum as one autograd node): bitsandbytes'
     kernel in the forward, the dequantized weight for the input gradient, the layer kept rather than
     its weight (so also under ZeRO-3 with leaf layers)."""

@@ -155,78 +155,9 @@ def activations(job: EstimateContext) -> int:
     other += 8 if job.cfg.data.packing else 0
     other += job.seq_len if _builds_mask(job) else 0
     if job.cfg.model.gradient_checkpointing:
-        return checkpointed_inputs(job) + job.tokens * other + int8_held_inputs(job)
+        return checkpointed_inputs(job) + job.tokens * other
     layers = s.num_layers * saved_per_layer(job) - _first_layer_saving(job)
-    return job.tokens * (layers + other) + int8_held_inputs(job)
-
-
-def int8_held_inputs(job: EstimateContext) -> int:
-    """An int8 base under ZeRO 0-2: what bitsandbytes' LLM.int8() products keep for their backward
-    beyond what the layer keeps anyway, per token and layer, e × (inputs + outlier columns).
-
-    bitsandbytes 0.50's ``MatMul8bitLt.forward``, with the weight frozen (``needs_input_grad[1]``
-    false: the fast path ``int8_vectorwise_quant``, so ``CAt`` and ``SCAt`` are None) and the input
-    requiring a gradient, ends with ``ctx.tensors = (CAt, subA, A)``: ``A`` is the input itself (a
-    view, in its own dtype), ``subA`` the copy that ``int8_mixed_scaled_mm`` makes of the input's
-    outlier columns, ``A[:, outlier_cols].contiguous()`` (the columns with a value of at least the
-    threshold, 6.0, the default of transformers' ``BitsAndBytesConfig`` that
-    ``zerolab.quantization.bnb_config`` keeps). Both are attributes of the autograd context, not
-    ``save_for_backward``: they live from the forward to the backward with or without gradient
-    checkpointing, which cannot drop them. ``subA`` is kept even though the backward of a frozen
-    weight never reads it (only ``grad_B`` does), and each product makes its own: q, k and v three
-    copies of the same columns, gate and up two (:func:`int8_outlier_columns`). The rest of the
-    product is transient (the fp16 copy of the input, its int8 rows and their scales, the int32
-    product and its dequantized output; in the backward the weight in the input's dtype, counted by
-    ``terms.dequantized_transient``).
-
-    Inputs: with checkpointing every product's input is held beside the checkpoints: q/k/v's (one
-    tensor, e·h), o's (e·q_dim), gate/up's (e·h) and down's (e·I). Without checkpointing only those
-    nothing else keeps: the normed inputs of q/k/v and of gate/up where no adapter reads them
-    (adapter dropout), o's with eager attention (a transposed copy of the output), and down's input
-    SiLU(gate)·up, which neither SwiGLU's backward (it keeps the gate and up outputs, with or without
-    Liger) nor an adapter with dropout keeps. Outlier columns: :func:`int8_outlier_columns`.
-
-    Measured: 7B, one packed 4k row, checkpointing, ZeRO-2 on one H100 (lease h100x2-55), 10.7 GiB
-    beside the rest of the estimate, 10.4 counted here; held out, 14B over two H200s at ZeRO-2
-    (h200x2-63): −1.2%; 7B at two checkpointed rows (h100-77): −0.8%; 0.5B at two rows without
-    checkpointing (h100-77): +19.9%, the outlier bound's 1.78 GiB (:func:`int8_outlier_columns`).
-    0 under ZeRO-3, whose products keep nothing (``zerolab.quantized_products``), and for other
-    bases."""
-    if job.quantization != "int8" or job.stage >= 3:
-        return 0
-    s, e = job.shape, job.e
-    h, inter = s.hidden_size, s.intermediate_size
-    if job.cfg.model.gradient_checkpointing:
-        inputs = 2 * h + s.q_dim + inter
-    else:
-        inputs = (h * (not _input_kept(job, ("q_proj", "k_proj", "v_proj"))) + h * (not _input_kept(job, ("gate_proj", "up_proj")))
-                  + s.q_dim * (job.attn == "eager" and not _input_kept(job, ("o_proj",)))
-                  + inter * (not _input_kept(job, ("down_proj",))))
-    return job.tokens * s.num_layers * e * (inputs + int8_outlier_columns(job))
-
-
-def int8_outlier_columns(job: EstimateContext) -> int:
-    """Outlier columns LLM.int8()'s products of one layer copy and keep (``subA``,
-    :func:`int8_held_inputs`), summed over the layer's seven products: all I of down's input, none
-    of the hidden states q/k/v and gate/up read or of attention's output.
-
-    Which columns hold a value of 6 or more depends on the weights and the data, which the estimate
-    does not see, and any column can (a column counts if one token of the micro-batch reaches the
-    threshold), so down's count is its bound, all of them. It is reached: in the random-init
-    shapes, whose gate and up outputs are Gaussian with standard deviation 0.02·√h (the normed
-    input has unit RMS), a value of SiLU(gate)·up reaches 6 with probability 1.8e-3 at 7B's h
-    (3,584) and 8.1e-3 at 14B's (5,120), so every column of a 4k-token micro-batch holds one (the
-    measured rows need all of them: counting none, or 1% of I, puts 7B at two checkpointed rows
-    25% under, 7B at one 20%, 14B over two GPUs 16%); at 0.5B's h (896) the probability is 2e-9 and
-    no column does (the measured +19.9%, −1.2% without the count). LLM.int8()'s counts of outlier
-    dimensions are of the hidden states; for down's input, whose channels are heavy-tailed in a
-    trained model, there is no published bound on how many columns reach 6 over thousands of
-    tokens, and the estimate cannot tell a trained model from a random-init one, so no smaller
-    count is safe. The hidden states' systematic outlier
-    dimensions (LLM.int8(): a handful, from 6.7B on) cost e per token for each of q/k/v/gate/up,
-    under 0.1% of a layer's bytes for ten of them: left out, as are attention outputs, which
-    average values and reach 6 rarely."""
-    return job.shape.intermediate_size
+    return job.tokens * (layers + other)
 
 
 def mlp_tile_forward(job: EstimateContext) -> int:

@@ -28,8 +28,8 @@ def weights(job: EstimateContext) -> int:
 def quantization_constants(job: EstimateContext) -> int:
     """What bitsandbytes keeps beside each quantized weight, whole on every rank (ZeRO-3 partitions
     only the weight tensor): 4-bit, the absmax per block of 64 weights (nf4: 8-bit, plus an fp32
-    constant per 256 blocks; fp4: fp32); int8, an fp32 scale per output row (what LLM.int8()'s
-    product keeps for its backward is per token: ``activations.int8_held_inputs``)."""
+    constant per 256 blocks; fp4: fp32); int8, an fp32 scale per output row. The products keep
+    nothing of their inputs beyond what a bf16 base's keep (``zerolab.quantized_products``)."""
     if job.quantization == "none":
         return 0
 
