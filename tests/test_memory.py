@@ -1601,3 +1601,24 @@ def test_offload_and_tiled_mlp_lengthen_the_7b_row_past_256k_on_an_80gib_gpu():
     small_host = Limits(gpu_mem_bytes=80 * GIB, gpus_per_node=1, host_mem_bytes=64 * GIB)
     cfg = load_config(None, [*LONG_7B, "model.offload_checkpoints=true", "model.tiled_mlp=auto"])
     assert memory.longest_row(cfg, QWEN25_7B, small_host, Option(2)) < 262144
+
+
+def test_int8_products_working_tensors_are_counted_at_the_largest_projection():
+    """LLM.int8()'s forward product holds, beside the input's int8 rows, the int32 product and its
+    fp16 dequantization before its output replaces them (``terms.int8_product_transient``): 7B's
+    gate/up, h + 4·I bytes per token; while down's input is quantized, its fp16 copy and int8 rows
+    (3·I) are less. The estimate's step peak takes it or the backward's dequantized weight,
+    whichever is larger; other bases none."""
+    from zerolab.memory.context import EstimateContext, ZeroKnobs
+    from zerolab.memory.terms import dequantized_transient, int8_product_transient
+
+    shape = ModelShape.from_config(QWEN25_7B)
+
+    def job(kind: str) -> EstimateContext:
+        cfg = load_config(None, ["adapter.method=lora", "scaling.use_gpu=true", "scaling.num_workers=1", "train.precision=bf16",
+                                 f"model.quantization={kind}", "data.max_seq_length=4096", "train.micro_batch_size=2"])
+        return EstimateContext(cfg, shape, [], ZeroKnobs.resolve(cfg, shape), Option(2), None, ())  # type: ignore[arg-type]
+
+    h, inter = shape.hidden_size, shape.intermediate_size
+    assert int8_product_transient(job("int8")) == 2 * 4096 * (h + 4 * inter) > dequantized_transient(job("int8"))
+    assert int8_product_transient(job("nf4")) == 0

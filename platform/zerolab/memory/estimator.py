@@ -39,6 +39,7 @@ from zerolab.memory.terms import (
     gathered_most,
     gradient_norm_copy,
     gradients,
+    int8_product_transient,
     master_weights,
     offload_gradient_buffer,
     optimizer_states,
@@ -121,8 +122,9 @@ def device_components(job: EstimateContext) -> tuple[dict[str, int], dict[str, i
     # The loss region comes at the end of the forward pass; a layer's backward (with checkpointing,
     # its recomputed forward first) and DoRA's weight-norm temporaries come while every saved
     # activation is alive, but not with it.
-    # A quantized base's dequantized weight lives only within its layer's product, as FP8's input copy.
-    transient = fp8_transient(job) + dequantized_transient(job)
+    # A quantized base's dequantized weight lives only within its layer's product (the backward's), as
+    # FP8's input copy; LLM.int8()'s working tensors only within the forward's.
+    transient = fp8_transient(job) + max(dequantized_transient(job), int8_product_transient(job))
     # DoRA's weight-norm temporaries come inside a layer's forward, beside that layer's activations
     # so far (7B, one H100: the down projection's in² identity and in·out copies on top of the
     # gate and up projections' outputs; lease h100-83).

@@ -52,6 +52,17 @@ def dequantized_transient(job: EstimateContext) -> int:
     return largest * (job.e if job.quantization != "int8" else 2)
 
 
+def int8_product_transient(job: EstimateContext) -> int:
+    """An int8 base, during a projection's forward product (bitsandbytes' ``int8_scaled_mm``): the
+    input's int8 rows (in bytes per token) beside the int32 product and its fp16 dequantization
+    (4 + 2 bytes per output element) before the output in the training dtype, which the layer's
+    activations count, replaces them; or, while the input is quantized, its fp16 copy beside its
+    int8 rows (3·in). For the projection where it is largest, B·S tokens. 0 for other bases."""
+    if job.quantization != "int8":
+        return 0
+    return job.tokens * max(max(i + 4 * o, 3 * i) for i, o in job.shape.linear_shapes().values())
+
+
 def quantized_load(job: EstimateContext) -> int:
     """ZeRO-3 with a quantized base, before ``deepspeed.initialize`` partitions it: transformers loads
     the base whole on every rank's device (quantized tensor by tensor as it arrives, through a device
