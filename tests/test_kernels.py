@@ -283,8 +283,10 @@ def test_liger_is_skipped_where_it_cannot_run(tiny_model_path):
                                                                       ("dora", torch.bfloat16, 0.0))],
 ])
 def test_fused_lora_forward_gives_peft_outputs_and_gradients(request, method, dtype, dropout, device):
-    """The addmm forward against peft's own on the same weights and batch: loss and every
-    adapter gradient (DoRA keeps peft's forward: the same by construction, and must still be)."""
+    """The addmm forward, and SwiGLU with down's LoRA as one node, against peft's own on the same
+    weights and batch: loss and every adapter gradient (DoRA and adapter dropout keep peft's
+    forward or the MLP's own: the same by construction, and must still be). On ``cuda`` the node's
+    SwiGLU is zerolab's Triton kernels."""
     from zerolab.adapters import apply_adapter
     from zerolab.config import AdapterSpec
 
@@ -303,6 +305,8 @@ def test_fused_lora_forward_gives_peft_outputs_and_gradients(request, method, dt
                     p.normal_(std=0.05)
         if fuse:
             assert kernels.fuse_lora(model) > 0
+            fused_mlps = method != "dora" and dropout == 0
+            assert kernels.fuse_swiglu_down(model) == (model.config.num_hidden_layers if fused_mlps else 0)
         torch.manual_seed(1)  # the same dropout masks
         return loss_and_grads(model, inputs)
 
@@ -314,6 +318,61 @@ def test_fused_lora_forward_gives_peft_outputs_and_gradients(request, method, dt
     # differed by 8.6% on an AVX2 machine): each is held to the fp32 computation of the same weights,
     # the fused path no further from it than peft's own (with slack), or within 4%.
     assert_as_close_as_peft(run(True), run(False), run(False, torch.float32), {"loss": 4e-3, "grads": 4e-2, "grad": 4e-2})
+
+
+def test_the_swiglu_down_node_keeps_the_gate_and_up_outputs_only(tiny_model_path):
+    """What a LoRA step keeps for its backward, counted by autograd's saved-tensor hook: with SwiGLU
+    and down's LoRA as one node, neither down's input SiLU(gate)·up (which down's adapter reads) nor
+    SiLU(gate) (Hugging Face's product keeps it): 2·e·I bytes per token and layer less, the same
+    loss. The memory estimate counts the node's e·I against Liger's SwiGLU, which already keeps
+    gate and up only; off with adapter dropout, DoRA, compiled layers."""
+    from zerolab.adapters import apply_adapter
+    from zerolab.config import AdapterSpec, load_config
+    from zerolab.memory.activations import activations
+    from zerolab.memory.context import EstimateContext, ZeroKnobs
+    from zerolab.memory.options import Option
+    from zerolab.memory.shapes import ModelShape
+    from zerolab.models import KNOWN_CONFIGS
+
+    ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(0))
+
+    def saved(node: bool) -> tuple[float, int, torch.nn.Module]:
+        torch.manual_seed(0)
+        model = apply_adapter(load_model(ModelSpec(), torch.bfloat16), AdapterSpec(method="lora", r=4, alpha=8, dropout=0.0), 10)
+        kernels.fuse_lora(model)
+        if node:
+            kernels.fuse_swiglu_down(model)
+        storages: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.item(), sum(storages.values()), model
+
+    (loss, kept, model), (ref_loss, ref_kept, _) = saved(True), saved(False)
+    layers, inter = model.config.num_hidden_layers, model.config.intermediate_size
+    assert loss == ref_loss and ref_kept - kept == 2 * layers * ids.numel() * inter * 2
+
+    shape = ModelShape.from_config(KNOWN_CONFIGS["Qwen/Qwen2.5-7B"])
+
+    def job(*extra: str, stage: int = 2) -> EstimateContext:
+        cfg = load_config(None, ["adapter.method=lora", "adapter.dropout=0.0", "scaling.use_gpu=true", "scaling.num_workers=1",
+                                 "train.precision=bf16", "model.kernels=liger", "data.max_seq_length=4096", "train.micro_batch_size=2",
+                                 f"deepspeed.stage={stage}", *extra])
+        return EstimateContext(cfg, shape, [], ZeroKnobs.resolve(cfg, shape), Option(stage), None, ())  # type: ignore[arg-type]
+
+    fused, unfused = job(), job()
+    unfused.swiglu_down = False
+    assert fused.swiglu_down and activations(unfused) - activations(fused) == shape.num_layers * fused.tokens * 2 * shape.intermediate_size
+    for extra, stage in ((("adapter.dropout=0.05",), 2), (("adapter.method=dora",), 2), (("model.compile=true",), 2),
+                         (("model.kernels=none",), 2), (("adapter.target_modules=[q_proj,v_proj]",), 2),
+                         (("deepspeed.z3_leaf_layers=false",), 3)):
+        assert not job(*extra, stage=stage).swiglu_down, extra
+    assert job(stage=3).swiglu_down
 
 
 def test_fused_lora_leaves_disabled_and_merged_adapters_to_peft(tiny_model_path):

@@ -89,6 +89,9 @@ def build_model(cfg: SFTConfig, ds_config: dict, total_steps: int, *, zero3: Zer
     model = adapters.apply_adapter(model, cfg.adapter, total_steps)
     if cfg.model.kernels != "none":
         kernels.fuse_lora(model)
+        mlps = kernels.fuse_swiglu_down(model)
+        if mlps:
+            log_rank0("SwiGLU and down's LoRA as one node in %d MLPs (down's input recomputed in the backward)", mlps)
     if cfg.model.fp8:
         layers, reason = kernels.use_fp8(model, device, cfg.model.fp8_min_features)
         log_rank0("FP8 base products: %s", f"{layers} frozen linear layers" if layers else f"off, {reason}")

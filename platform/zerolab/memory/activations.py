@@ -61,11 +61,13 @@ def _attention_bytes(job: EstimateContext) -> int:
 
 
 def _mlp_bytes(job: EstimateContext) -> int:
-    """What a layer's MLP keeps per token: gate, up and their product's outputs, its projections'
-    inputs where kept, its adapters."""
+    """What a layer's MLP keeps per token: gate, up and their product's outputs (Liger's SwiGLU and
+    zerolab's SwiGLU-down node keep gate and up only), its projections' inputs where kept (down's
+    not with the node, which recomputes it: ``zerolab.kernels.fuse_swiglu_down``), its adapters."""
     e, inter, h = job.e, job.shape.intermediate_size, job.shape.hidden_size
-    total = (2 if job.liger else 3) * e * inter
-    total += e * h * _input_kept(job, ("gate_proj", "up_proj")) + e * inter * _input_kept(job, ("down_proj",))
+    total = (2 if job.swiglu_in_place else 3) * e * inter
+    total += e * h * _input_kept(job, ("gate_proj", "up_proj"))
+    total += e * inter * (_input_kept(job, ("down_proj",)) and not job.swiglu_down)
     return total + _adapter_bytes(job, [t for t in _layer_targets(job) if t in MLP_PROJECTIONS])
 
 
@@ -131,7 +133,7 @@ def mlp_tile(job: EstimateContext) -> int:
     if not job.cfg.model.tiles_mlp():
         return 0
     e = job.e
-    grads = (1 if job.liger else 3) * e * job.shape.intermediate_size
+    grads = (1 if job.swiglu_in_place else 3) * e * job.shape.intermediate_size
     return mlp_tile_tokens(job) * (_mlp_bytes(job) + grads) + job.tokens * e * job.shape.hidden_size
 
 
@@ -204,7 +206,8 @@ def backward_gradients(job: EstimateContext) -> int:
     Without the tiled MLP: the gradient of the residual stream reaching it (e·h per token) and the
     larger of the MLP's and attention's. The MLP's: the gradient of down_proj's input (e·I) and,
     from Hugging Face's SiLU × up, the gradients of the gate and up outputs (2·e·I more; Liger's
-    SwiGLU writes them in place of its saved inputs). Attention's (:func:`_attention_backward`).
+    SwiGLU and zerolab's SwiGLU-down node write them in place of their saved inputs, the node
+    down's recomputed input in place of its gradient). Attention's (:func:`_attention_backward`).
     With the tiled MLP the layer's two backward passes come one after the other and the larger
     counts: the MLP's, one tile at a time (:func:`mlp_tile`, which holds the MLP input's gradient
     the tiles fill) beside the residual's gradient; then attention's, by which time the MLP's input
@@ -217,7 +220,7 @@ def backward_gradients(job: EstimateContext) -> int:
     attention = job.tokens * _attention_backward(job)
     if job.cfg.model.tiles_mlp():
         return max(residual + mlp_tile(job), attention)
-    return residual + max(job.tokens * (1 if job.liger else 3) * e * s.intermediate_size, attention)
+    return residual + max(job.tokens * (1 if job.swiglu_in_place else 3) * e * s.intermediate_size, attention)
 
 
 def _attention_backward(job: EstimateContext) -> int:

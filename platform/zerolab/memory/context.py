@@ -76,10 +76,14 @@ class EstimateContext:
         # varlen attention runs on GPUs only; elsewhere the model loads with sdpa (zerolab.kernels).
         self.attn = "sdpa" if cfg.model.attn_implementation == "varlen" and not self.gpu else cfg.model.attn_implementation
         # zerolab.kernels imports torch, which importing the estimator does not.
-        from zerolab.kernels import fp8_eligible, use_fused_loss, use_liger
+        from zerolab.kernels import fp8_eligible, fuses_swiglu_down, use_fused_loss, use_liger
 
         head_trains = not self.peft or "lm_head" in target_projections(cfg.adapter)[0]
         self.liger = use_liger(cfg.model.kernels, use_gpu=self.gpu)
+        # SiLU(gate)·up and down's LoRA as one node: down's input recomputed in the backward.
+        self.swiglu_down = fuses_swiglu_down(cfg, self.stage, "down_proj" in target_projections(cfg.adapter)[0])
+        # SwiGLU keeps only the gate and up outputs and writes their gradients in their place.
+        self.swiglu_in_place = self.liger or self.swiglu_down
         self.fused_loss = use_fused_loss(cfg.model.kernels, use_gpu=self.gpu, head_trains=head_trains)
         # The projections that keep e4m3 copies (zerolab.kernels.fp8_layers).
         self.fp8_shapes = [(i, o) for i, o in shape.linear_shapes().values() if fp8_eligible(i, o, cfg.model.fp8_min_features)] \
