@@ -516,6 +516,7 @@ def _adapted(spec: ModelSpec, method: str, device: str, *, fp8: bool) -> torch.n
             if "lora_B" in name:
                 p.normal_(std=0.05)
     kernels.fuse_lora(model)
+    kernels.fuse_swiglu_down(model)  # as the job does: down's FP8 product inside the SwiGLU-down node
     if fp8:  # every projection: the test models' are narrower than model.fp8_min_features
         if device == "cuda":
             assert kernels.fp8_unavailable_reason(torch.device(device)) is None
