@@ -366,38 +366,55 @@ def _gathered_with_layer(*weights: torch.Tensor) -> bool:
 
 
 class _LoRALinear(torch.autograd.Function):
-    """``x·Wᵀ + b + s·(x·Aᵀ)·Bᵀ`` for a frozen ``W`` (no dropout) as one autograd node. Its backward
-    accumulates the adapter's share of the input gradient into the base product's (``addmm_``,
-    the sum in the product's epilogue) where autograd would add the two branches' gradients in
-    a separate pass over the B·S×in tensor, once per wrapped projection. ``frozen``, where the base
-    product is not ``x·Wᵀ`` with a plain weight: its e4m3 copy (:class:`Fp8Weight`) or a quantized
-    base's product (``zerolab.quantized_products.QuantizedProduct``, ``weight`` None); either
-    gives ``product(x, bias)`` and ``input_grad(grad)``."""
+    """``x·Wᵀ + b + s·(x·Aᵀ)·Bᵀ`` for a frozen ``W`` (no dropout) as one autograd node, its two
+    products summed in a product's epilogue (:func:`_lora_product`, :func:`_lora_input_grad`) where
+    peft's forward adds them in a separate pass over the B·S×out output and autograd adds their
+    input gradients in one over the B·S×in tensor, once per wrapped projection. ``frozen``, where the
+    base product is not ``x·Wᵀ`` with a plain weight: its e4m3 copy (:class:`Fp8Weight`) or a
+    quantized base's product (``zerolab.quantized_products.QuantizedProduct``, ``weight`` None);
+    either gives ``product(x, bias)`` and ``input_grad(grad)``."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, lora_a: torch.Tensor,
                 lora_b: torch.Tensor, scale: float, frozen: Any = None) -> torch.Tensor:
-        h = x @ lora_a.t()
-        if frozen is not None:
-            out = frozen.product(x, bias)
-        else:
-            out = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
-        out.addmm_(h, lora_b.t(), alpha=scale)
-        ctx.save_for_backward(x, weight, lora_a, lora_b, h)
+        out, hs = _lora_product(x, weight, bias, lora_a, lora_b, scale, frozen)
+        ctx.save_for_backward(x, weight, lora_a, lora_b, hs)
         ctx.scale, ctx.frozen = scale, frozen
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight, lora_a, lora_b, h = ctx.saved_tensors
+        x, weight, lora_a, lora_b, hs = ctx.saved_tensors
         grad_h = (grad @ lora_b).mul_(ctx.scale)
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = ctx.frozen.input_grad(grad) if ctx.frozen is not None else grad @ weight
-            grad_x.addmm_(grad_h, lora_a)
+        grad_x = _lora_input_grad(grad, weight, grad_h, lora_a, ctx.frozen) if ctx.needs_input_grad[0] else None
         grad_a = grad_h.t() @ x if ctx.needs_input_grad[3] else None
-        grad_b = (grad.t() @ h).mul_(ctx.scale) if ctx.needs_input_grad[4] else None
+        grad_b = grad.t() @ hs if ctx.needs_input_grad[4] else None
         return grad_x, None, None, grad_a, grad_b, None, None
+
+
+def _lora_product(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, lora_a: torch.Tensor,
+                  lora_b: torch.Tensor, scale: float, frozen: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x·Wᵀ + b + s·(x·Aᵀ)·Bᵀ`` and the scaled adapter activation ``s·x·Aᵀ`` (B·S×r, which B's
+    gradient reads). With a plain weight the adapter's product comes first and the base product
+    accumulates onto it (``addmm_``, beta 1): the base product is compute-bound and reads the
+    adapter's output in its epilogue at little cost, where the adapter's 16-wide product
+    accumulating into the base output read and wrote the whole B·S×out tensor."""
+    hs = (x @ lora_a.t()).mul_(scale)
+    if frozen is not None:
+        out = frozen.product(x, bias)
+        out.addmm_(hs, lora_b.t())
+        return out, hs
+    out = hs @ lora_b.t() if bias is None else torch.addmm(bias, hs, lora_b.t())
+    return out.addmm_(x, weight.t()), hs
+
+
+def _lora_input_grad(grad: torch.Tensor, weight: torch.Tensor | None, grad_h: torch.Tensor, lora_a: torch.Tensor,
+                     frozen: Any) -> torch.Tensor:
+    """``grad·W + grad_h·A``, the input gradient of :func:`_lora_product` (``grad_h`` = s·grad·B), the
+    two summed as there: onto the adapter's share by the base product's epilogue."""
+    if frozen is not None:
+        return frozen.input_grad(grad).addmm_(grad_h, lora_a)
+    return (grad_h @ lora_a).addmm_(grad, weight)
 
 
 def fuse_swiglu_down(model: torch.nn.Module) -> int:
@@ -457,25 +474,18 @@ class _SwiGLULoRADown(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                 lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float, frozen: Any = None) -> torch.Tensor:
-        act = swiglu(gate, up)
-        h = act @ lora_a.t()
-        if frozen is not None:
-            out = frozen.product(act, bias)
-        else:
-            out = act @ weight.t() if bias is None else torch.addmm(bias, act, weight.t())
-        out.addmm_(h, lora_b.t(), alpha=scale)
-        ctx.save_for_backward(gate, up, weight, lora_a, lora_b, h)
+        out, hs = _lora_product(swiglu(gate, up), weight, bias, lora_a, lora_b, scale, frozen)
+        ctx.save_for_backward(gate, up, weight, lora_a, lora_b, hs)
         ctx.scale, ctx.frozen = scale, frozen
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        gate, up, weight, lora_a, lora_b, h = ctx.saved_tensors
+        gate, up, weight, lora_a, lora_b, hs = ctx.saved_tensors
         grad = grad.contiguous()
         grad_h = (grad @ lora_b).mul_(ctx.scale)
-        grad_act = ctx.frozen.input_grad(grad) if ctx.frozen is not None else grad @ weight
-        grad_act.addmm_(grad_h, lora_a)
-        grad_b = (grad.t() @ h).mul_(ctx.scale) if ctx.needs_input_grad[5] else None
+        grad_act = _lora_input_grad(grad, weight, grad_h, lora_a, ctx.frozen)
+        grad_b = grad.t() @ hs if ctx.needs_input_grad[5] else None
         act = swiglu_backward_(gate, up, grad_act)  # gate, up ← their gradients; grad_act ← SiLU(gate)·up
         grad_a = grad_h.t() @ act if ctx.needs_input_grad[4] else None
         return gate, up, None, None, grad_a, grad_b, None, None
