@@ -269,13 +269,19 @@ def test_the_space_is_checked_on_draws_from_tunes_own_domains():
     assert all(type(p["train.micro_batch_size"]) is int and type(p["train.lr"]) is float for p in points)
 
 
+STEPS = 120
+"""Steps of each trial of the interrupted sweep."""
+
+
 @pytest.fixture(scope="module")
 def interrupted_sweep(tmp_path_factory, tiny_model_path):
     """``python jobs/tune.py`` on a 2-trial ZeRO stage × adapter.r grid, sent SIGINT once both trials
     have reported, then the resume command it printed, run to the end; the TensorBoard test reads
     the sweep's folder."""
     tmp = tmp_path_factory.mktemp("interrupted")
-    config = write(tmp, "base.yaml", base_job(tmp, **{"train.max_steps": 30, "train.log_every_n_steps": 5,
+    # Long enough that neither trial finishes before the other reports: on a loaded 2-core machine the
+    # second trial has reported its step 5 after the first had run all of 30 steps (3.6 s of training).
+    config = write(tmp, "base.yaml", base_job(tmp, **{"train.max_steps": STEPS, "train.log_every_n_steps": 5,
                                                      "train.checkpoint_every_n_steps": 5}).to_dict())
     space = write(tmp, "space.yaml", {"name": "ctrl-c", "space": {"deepspeed.zero": {"grid": ["0", "2"]}, "adapter.r": {"grid": [4]}}})
     cmd = [sys.executable, str(REPO / "jobs" / "tune.py"), "--config", str(config), "--space", str(space), "--out", str(tmp / "out")]
@@ -356,7 +362,7 @@ def test_the_sweep_folder_holds_each_trials_scalars_and_hparams_for_tensorboard(
         # A resumed trial writes a new event file whose report count starts again: TensorBoard purges
         # the earlier events it overlaps (how many depends on when the sweep was stopped), so only the
         # curve's end is fixed.
-        assert steps[-1] == 30 and loss
+        assert steps[-1] == STEPS and loss
         assert tensor_util.make_ndarray(loss[-1].tensor_proto).item() == pytest.approx(child.data.metrics["train/loss"])
 
 

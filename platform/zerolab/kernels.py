@@ -23,8 +23,9 @@
   the layer is one autograd node, where the adapter's 16-wide product is written first and the
   compute-bound base product accumulates onto it, in the forward and for the input gradient (7B at
   two 4k rows: +3% over the adapter's product accumulating into the base output, which read and
-  wrote the whole output once more), instead of autograd adding the two. Plain LoRA (rsLoRA too) with one active adapter, on any device, at any ZeRO stage (ZeRO-3
-  with leaf layers: its per-module hooks would gather a weight only around its own module's call);
+  wrote the whole output once more), instead of autograd adding the two. Plain LoRA (rsLoRA too)
+  with one active adapter, on any device, at any ZeRO stage (ZeRO-3 with leaf layers: its
+  per-module hooks would gather a weight only around its own module's call);
   other layers keep peft's forward, and a compiled layer gets the same products without the
   one-node backward (Inductor fuses its own). On a quantized base (4-bit or int8) the node runs
   bitsandbytes' product and dequantizes the weight for its backward as bitsandbytes does, keeping
