@@ -459,6 +459,8 @@ def fuses_swiglu_down(cfg: Any, stage: int, down_targeted: bool) -> bool:
 
 
 def _swiglu_down_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """The MLP's forward through :class:`_SwiGLULoRADown` where down's LoRA layer would be one node
+    (:func:`_takes_fused_forward`, :func:`_one_node_operands`); the MLP's own forward otherwise."""
     down = self.down_proj
     flat = x.reshape(-1, x.shape[-1])
     operands = _one_node_operands(down, flat) if _takes_fused_forward(down, x) else None
@@ -500,7 +502,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate, up = gate.contiguous(), up.contiguous()
         out = torch.empty_like(gate)
         n = gate.numel()
-        _triton_swiglu_kernels()[0][(triton_cdiv(n, 1024),)](gate, up, out, n, BLOCK=1024)
+        _triton_swiglu_kernels()[0][(_blocks(n),)](gate, up, out, n, BLOCK=_BLOCK)
         return out
     return F.silu(gate) * up
 
@@ -509,9 +511,10 @@ def swiglu_backward_(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) -
     """SwiGLU's backward for ``grad``, the gradient of SiLU(gate)·up, in place and in one pass:
     ``gate`` and ``up`` become their gradients (as in Liger's kernel, float32 inside) and ``grad``
     becomes SiLU(gate)·up, recomputed as :func:`swiglu` does; returns ``grad``. Triton on GPUs."""
-    if gate.is_cuda and _triton_swiglu_kernels() is not None and gate.is_contiguous() and up.is_contiguous():
+    if (gate.is_cuda and _triton_swiglu_kernels() is not None and gate.is_contiguous() and up.is_contiguous()
+            and grad.is_contiguous()):
         n = gate.numel()
-        _triton_swiglu_kernels()[1][(triton_cdiv(n, 1024),)](gate, up, grad, n, BLOCK=1024)
+        _triton_swiglu_kernels()[1][(_blocks(n),)](gate, up, grad, n, BLOCK=_BLOCK)
         return grad
     g = gate.float()
     sig = torch.sigmoid(g)
@@ -524,8 +527,12 @@ def swiglu_backward_(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) -
     return grad.copy_(act)
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+_BLOCK = 1024
+"""Elements per program of the SwiGLU kernels."""
+
+
+def _blocks(n: int) -> int:
+    return -(-n // _BLOCK)
 
 
 @functools.cache
