@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import rows_of
-from zerolab import batches, kernels
+from zerolab import batches, kernels, lora_nodes
 from zerolab.batches import MicroBatches
 from zerolab.config import ModelSpec
 from zerolab.models import load_model
@@ -304,9 +304,9 @@ def test_fused_lora_forward_gives_peft_outputs_and_gradients(request, method, dt
                 if "lora_B" in name:
                     p.normal_(std=0.05)
         if fuse:
-            assert kernels.fuse_lora(model) > 0
+            assert lora_nodes.fuse_lora(model) > 0
             fused_mlps = method != "dora" and dropout == 0
-            assert kernels.fuse_swiglu_down(model) == (model.config.num_hidden_layers if fused_mlps else 0)
+            assert lora_nodes.fuse_swiglu_down(model) == (model.config.num_hidden_layers if fused_mlps else 0)
         torch.manual_seed(1)  # the same dropout masks
         return loss_and_grads(model, inputs)
 
@@ -339,9 +339,9 @@ def test_the_swiglu_down_node_keeps_the_gate_and_up_outputs_only(tiny_model_path
     def saved(node: bool) -> tuple[float, int, torch.nn.Module]:
         torch.manual_seed(0)
         model = apply_adapter(load_model(ModelSpec(), torch.bfloat16), AdapterSpec(method="lora", r=4, alpha=8, dropout=0.0), 10)
-        kernels.fuse_lora(model)
+        lora_nodes.fuse_lora(model)
         if node:
-            kernels.fuse_swiglu_down(model)
+            lora_nodes.fuse_swiglu_down(model)
         storages: dict[int, int] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -385,7 +385,7 @@ def test_fused_lora_leaves_disabled_and_merged_adapters_to_peft(tiny_model_path)
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(std=0.05)
-    kernels.fuse_lora(model)
+    lora_nodes.fuse_lora(model)
     ids = torch.tensor([[5, 9, 13, 2, 7]])
     with model.disable_adapter():
         base = model(input_ids=ids).logits
@@ -435,7 +435,7 @@ def _compiled_and_eager(spec: ModelSpec, dtype: torch.dtype, device: str, batche
             for name, p in model.named_parameters():
                 if "lora_B" in name:
                     p.normal_(std=0.05)
-        kernels.fuse_lora(model)
+        lora_nodes.fuse_lora(model)
         if compiled:
             assert kernels.compile_layers(decoder_layers(model)) == len(decoder_layers(model)) > 1
         return model
@@ -465,7 +465,7 @@ def test_compiled_layers_hand_the_compiler_the_lora_products_not_the_fused_node(
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(std=0.05)
-    assert kernels.fuse_lora(model)
+    assert lora_nodes.fuse_lora(model)
     graphs: list[torch.fx.GraphModule] = []
 
     def recording(gm: torch.fx.GraphModule, example_inputs: list) -> object:
@@ -515,8 +515,8 @@ def _adapted(spec: ModelSpec, method: str, device: str, *, fp8: bool) -> torch.n
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(std=0.05)
-    kernels.fuse_lora(model)
-    kernels.fuse_swiglu_down(model)  # as the job does: down's FP8 product inside the SwiGLU-down node
+    lora_nodes.fuse_lora(model)
+    lora_nodes.fuse_swiglu_down(model)  # as the job does: down's FP8 product inside the SwiGLU-down node
     if fp8:  # every projection: the test models' are narrower than model.fp8_min_features
         if device == "cuda":
             assert kernels.fp8_unavailable_reason(torch.device(device)) is None

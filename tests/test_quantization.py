@@ -137,7 +137,7 @@ def test_fused_lora_on_a_quantized_base_gives_peft_loss_and_gradients(kind, devi
     bitsandbytes' product, the adapter's and their sum; SwiGLU with down's as one) against peft's
     own on the same weights and rows: the loss and every adapter gradient; with dropout the layers
     keep peft's forward, to the bit."""
-    from zerolab import kernels
+    from zerolab import lora_nodes
     from zerolab.adapters import apply_adapter
     from zerolab.config import AdapterSpec
     from zerolab.models import load_model
@@ -153,8 +153,8 @@ def test_fused_lora_on_a_quantized_base_gives_peft_loss_and_gradients(kind, devi
                 if "lora_B" in name:
                     p.normal_(std=0.05)
         if fuse:
-            assert kernels.fuse_lora(model) == len(quantization.quantized_layers(model)) == 28
-            assert kernels.fuse_swiglu_down(model) == (4 if dropout == 0 else 0)
+            assert lora_nodes.fuse_lora(model) == len(quantization.quantized_layers(model)) == 28
+            assert lora_nodes.fuse_swiglu_down(model) == (4 if dropout == 0 else 0)
         nodes: set[str] = set()
         for name in ("self_attn.q_proj", "mlp"):
             model.get_submodule(f"base_model.model.model.layers.1.{name}").register_forward_hook(
@@ -207,7 +207,7 @@ def test_a_quantized_step_keeps_nothing_outside_autograds_saved_tensors(kind, dr
     saved tensors, which checkpointing drops and the memory estimate counts; bitsandbytes' own
     layers hold the input (and LLM.int8()'s outlier columns; on CPU its ``MatMul8bitFp`` the input)
     on their nodes."""
-    from zerolab import kernels
+    from zerolab import lora_nodes
     from zerolab.adapters import apply_adapter
     from zerolab.config import AdapterSpec
     from zerolab.models import load_model
@@ -220,7 +220,7 @@ def test_a_quantized_step_keeps_nothing_outside_autograds_saved_tensors(kind, dr
         model = load_model(ModelSpec(quantization=kind), torch.bfloat16)
         model = apply_adapter(model, AdapterSpec(method="lora", r=4, alpha=8, dropout=dropout), 10).train()
         if ours:
-            kernels.fuse_lora(model)
+            lora_nodes.fuse_lora(model)
             keep_nothing_between_products(model)
         loss = model(input_ids=ids, labels=ids).loss
         seen, stack, holding = set(), [loss.grad_fn], 0

@@ -241,11 +241,11 @@ def leaf_config(stage: int, leaf: bool, method: str, gradient_checkpointing: boo
 
 def leaf_worker(rank: int, method: str, gradient_checkpointing: bool, port: int, results: dict) -> None:
     join_group(rank, port)
-    from zerolab import kernels
+    from zerolab import lora_nodes
 
     fused = []
-    apply = kernels._LoRALinear.apply
-    kernels._LoRALinear.apply = staticmethod(lambda *args: fused.append(1) or apply(*args))  # counts the one-node LoRA products
+    apply = lora_nodes._LoRALinear.apply
+    lora_nodes._LoRALinear.apply = staticmethod(lambda *args: fused.append(1) or apply(*args))  # counts the one-node LoRA products
     for name, (stage, leaf) in LEAF_VARIANTS.items():
         fused.clear()
         trained = train_variant(rank, stage, leaf, method, gradient_checkpointing)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerolab import adapters, kernels, long_rows
+from zerolab import adapters, kernels, long_rows, lora_nodes
 from zerolab.config import SFTConfig
 from zerolab.models import decoder_layers, load_model, load_model_config
 from zerolab.sequence_parallel import UlyssesAttention
@@ -88,8 +88,8 @@ def build_model(cfg: SFTConfig, ds_config: dict, total_steps: int, *, zero3: Zer
         model.enable_input_require_grads()
     model = adapters.apply_adapter(model, cfg.adapter, total_steps)
     if cfg.model.kernels != "none":
-        kernels.fuse_lora(model)
-        mlps = kernels.fuse_swiglu_down(model)
+        lora_nodes.fuse_lora(model)
+        mlps = lora_nodes.fuse_swiglu_down(model)
         if mlps:
             log_rank0("SwiGLU and down's LoRA as one node in %d MLPs (down's input recomputed in the backward)", mlps)
     if cfg.model.fp8:

@@ -28,7 +28,7 @@ to its backward for nothing (0.5B at two 4k rows without checkpointing: 1.8 GiB,
 columns in a random-init 7B or 14B).
 
 The LoRA layers on a quantized base take these products through the fused LoRA node
-(``zerolab.kernels.fuse_lora``: :class:`QuantizedProduct`), the other quantized layers through
+(``zerolab.lora_nodes.fuse_lora``: :class:`QuantizedProduct`), the other quantized layers through
 :func:`keep_nothing_between_products`."""
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class _GatheredProduct(torch.autograd.Function):
 
 
 class QuantizedProduct:
-    """A quantized layer's frozen product as the fused LoRA node takes it (``zerolab.kernels.fuse_lora``:
+    """A quantized layer's frozen product as the fused LoRA node takes it (``zerolab.lora_nodes.fuse_lora``:
     the base product, the adapter's products and their sum as one autograd node): bitsandbytes'
     kernel in the forward, the dequantized weight for the input gradient, the layer kept rather than
     its weight (so also under ZeRO-3 with leaf layers)."""

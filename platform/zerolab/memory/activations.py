@@ -63,7 +63,7 @@ def _attention_bytes(job: EstimateContext) -> int:
 def _mlp_bytes(job: EstimateContext) -> int:
     """What a layer's MLP keeps per token: gate, up and their product's outputs (Liger's SwiGLU and
     zerolab's SwiGLU-down node keep gate and up only), its projections' inputs where kept (down's
-    not with the node, which recomputes it: ``zerolab.kernels.fuse_swiglu_down``), its adapters."""
+    not with the node, which recomputes it: ``zerolab.lora_nodes.fuse_swiglu_down``), its adapters."""
     e, inter, h = job.e, job.shape.intermediate_size, job.shape.hidden_size
     total = (2 if job.swiglu_in_place else 3) * e * inter
     total += e * h * _input_kept(job, ("gate_proj", "up_proj"))

@@ -76,7 +76,8 @@ class EstimateContext:
         # varlen attention runs on GPUs only; elsewhere the model loads with sdpa (zerolab.kernels).
         self.attn = "sdpa" if cfg.model.attn_implementation == "varlen" and not self.gpu else cfg.model.attn_implementation
         # zerolab.kernels imports torch, which importing the estimator does not.
-        from zerolab.kernels import fp8_eligible, fuses_swiglu_down, use_fused_loss, use_liger
+        from zerolab.kernels import fp8_eligible, use_fused_loss, use_liger
+        from zerolab.lora_nodes import fuses_swiglu_down
 
         head_trains = not self.peft or "lm_head" in target_projections(cfg.adapter)[0]
         self.liger = use_liger(cfg.model.kernels, use_gpu=self.gpu)
