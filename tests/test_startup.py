@@ -65,6 +65,24 @@ def test_a_workers_deepspeed_leaves_mlflow_to_the_metric_logger():
     assert loaded == {"before": False, "has": True, "same": True, "real": "module"}
 
 
+def test_deepspeeds_muon_module_loads_without_torchinductor_and_compiles_at_its_first_call():
+    """DeepSpeed imports its Muon optimizer module while it builds any ZeRO optimizer; that module's
+    ``torch.compile`` decorations loaded TorchInductor at import. After a worker's first import of
+    DeepSpeed the module is loaded without it, and a decorated function still computes what the
+    undecorated one does, compiled when first called (here under the eager stance, which runs what
+    ``torch.compile`` wrapped without generating code)."""
+    loaded = _python("import json, sys\nfrom zerolab.lean_imports import import_deepspeed\nimport_deepspeed()\n"
+                     "from deepspeed.runtime.zero.muon import original_muon as m\n"
+                     "before = 'torch._inductor.compile_fx' in sys.modules\n"
+                     "import torch\ng = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))\n"
+                     "eager = m.zeropower_via_newtonschulz5.__wrapped__(g, 5)\n"
+                     "with torch.compiler.set_stance('force_eager'):\n"
+                     "    called = m.zeropower_via_newtonschulz5(g, 5)\n"
+                     "print(json.dumps({'before': before, 'same': bool(torch.equal(eager, called)),\n"
+                     "                  'after': 'torch._inductor.compile_fx' in sys.modules}))")
+    assert loaded == {"before": False, "same": True, "after": True}
+
+
 def test_a_run_started_off_the_main_thread_starts_no_stop_flag_actor():
     """Signals reach only the main thread: a Tune trial's worker group gets no flag (an actor would be
     a process of its own, started for each trial), and nothing here needs Ray."""
@@ -119,3 +137,23 @@ def test_on_a_gpu_the_first_step_ends_when_the_device_has_done_it():
     time.sleep(1.0)
     first = clock.unix()
     assert issued + 0.1 < first < issued + 0.9
+
+
+def test_a_job_that_trains_in_its_process_tokenizes_on_all_cores_and_trains_with_the_workers_setting(monkeypatch):
+    """The process takes the training processes' environment before it imports the training stack,
+    except the fast tokenizer's threading, which the training function turns off once the data is
+    tokenized; a value the user exported wins throughout."""
+    from zerolab.cluster import adopt_worker_env
+    from zerolab.config import load_config
+    from zerolab.worker_log import setup_worker_logging
+
+    cfg = load_config(None, ["scaling.num_workers=1"])
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    adopt_worker_env(cfg)
+    assert os.environ["DS_ACCELERATOR"] == "cpu" and "TOKENIZERS_PARALLELISM" not in os.environ
+    setup_worker_logging(own_handler=False)
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    setup_worker_logging(own_handler=False)
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "true"

@@ -162,9 +162,13 @@ def job_imports(cfg: SFTConfig) -> tuple[str, ...]:
 def adopt_worker_env(cfg: SFTConfig) -> None:
     """Give this process the training processes' environment (:func:`worker_env`), where it may
     train itself; before DeepSpeed is imported, which picks its accelerator from it. A variable
-    already set wins."""
+    already set wins. ``TOKENIZERS_PARALLELISM`` waits for the training function
+    (:func:`zerolab.worker_log.setup_worker_logging`): the process first tokenizes its data, and the fast
+    tokenizer's batch encoder then runs on all the machine's cores (on a 16-core H100 host 2.5 s
+    of a 7B benchmark run's start-up on one core)."""
     for name, value in worker_env(cfg).items():
-        os.environ.setdefault(name, value)
+        if name != "TOKENIZERS_PARALLELISM":
+            os.environ.setdefault(name, value)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,8 @@ only assisted generation's confidence threshold and DETR-style losses call.
 DeepSpeed: :func:`import_deepspeed`, a training worker's first ``import deepspeed``
 (``zerolab.ds_runtime``), leaves out the MLflow that DeepSpeed's autotuner imports (zerolab never
 runs the autotuner): rank 0 then imports MLflow for its metric logger after the first optimizer
-step, the other ranks never.
+step, the other ranks never. It also imports DeepSpeed's Muon optimizer module with its
+``torch.compile`` decorations left to the functions' first calls (:func:`_muon_compiled_at_first_call`).
 
 How: while the one library module that would import it imports, ``sys.modules[name]`` holds a
 stand-in whose names load the real module when they are used (a function when it is called); then
@@ -26,6 +27,7 @@ imported before, nothing is done.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import sys
@@ -100,7 +102,49 @@ def import_deepspeed() -> types.ModuleType:
     """``import deepspeed`` without the MLflow its autotuner imports, where this is the process's
     first import of DeepSpeed and MLflow is not loaded yet; else a plain ``import deepspeed``."""
     _import_without("mlflow", "deepspeed", _ModuleLater)
+    _muon_compiled_at_first_call()
     return sys.modules["deepspeed"]
+
+
+MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def _muon_compiled_at_first_call() -> None:
+    """Import DeepSpeed's Muon optimizer module with ``deepspeed.runtime.compiler.compile`` deferring
+    ``torch.compile`` to each decorated function's first call.
+
+    DeepSpeed imports that module wherever it asks whether the optimizer is Muon: in the ZeRO sanity
+    check of ``deepspeed.initialize``, the bf16 and ZeRO-3 optimizers' set-up, ZeRO-2's gradient
+    reduction. The module decorates three functions with ``torch.compile`` at its import, which loads
+    TorchInductor and AOTAutograd: 3.5 s of ``deepspeed.initialize`` on an H100 host (py-spy,
+    docs/benchmark.md), for functions only a Muon optimizer calls. Nothing else changes: a Muon
+    optimizer's first step compiles them as before."""
+    if MUON in sys.modules or importlib.util.find_spec(MUON) is None:
+        return
+    from deepspeed.runtime import compiler
+
+    eager = compiler.compile
+
+    def deferred() -> Callable[[Callable], Callable]:
+        def decorate(fn: Callable) -> Callable:
+            compiled: Callable | None = None
+
+            @functools.wraps(fn)
+            def call(*args: Any, **kwargs: Any) -> Any:
+                nonlocal compiled
+                if compiled is None:
+                    compiled = eager()(fn)
+                return compiled(*args, **kwargs)
+
+            return call
+
+        return decorate
+
+    compiler.compile = deferred
+    try:
+        importlib.import_module(MUON)
+    finally:
+        compiler.compile = eager
 
 
 for _deferred, _importer in DEFERRED:
