@@ -28,6 +28,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -85,6 +86,10 @@ class Run:
     (``bench/workload.long_rows``) of just under this many tokens, one per micro-batch row, with
     ``data.max_seq_length`` this and YaRN RoPE scaling past the shapes' 32K positions; -1: the
     longest row the memory estimate fits on this machine (:func:`estimated_row_tokens`)."""
+    first_launch: bool = False
+    """Run as a machine's first launch of the system: with a tokenized-data cache (``ZEROLAB_CACHE``) and
+    a Triton kernel cache (``TRITON_CACHE_DIR``) of its own, both empty, so it tokenizes its rows and
+    compiles its kernels as a first launch does, whatever ran before it (the kernel checks included)."""
     long_rows: int = 2
     """Rows of the long-row file: the longest runs take two steps; shorter ones go round them again, or
     take as many rows as steps where the curves are compared (a random model memorises two rows within
@@ -148,11 +153,13 @@ def _suite_trl(shape: str, *, micro_batch: int, steps: int, timeout_s: int) -> l
     """zerolab at its recommended setting (ZeRO-2, packed rows, ``varlen``, Liger) and TRL set up for
     speed with the best attention the host has, alternating, three runs each (variants ``rep1``..``rep3``),
     at the same tokens per step: ``micro_batch`` packed rows of 4,096 tokens. TRL runs without
-    DeepSpeed (``z0`` in its name)."""
+    DeepSpeed (``z0`` in its name). The first pair are first launches (:attr:`Run.first_launch`)."""
     w = steps // 2
     return [r for rep in (1, 2, 3) for r in (
-        Run("zerolab", shape, stage=2, micro_batch=micro_batch, steps=steps, window=w, variant=f"rep{rep}", timeout_s=timeout_s),
-        Run("trl", shape, micro_batch=micro_batch, steps=steps, window=w, attn="auto", variant=f"rep{rep}", timeout_s=timeout_s))]
+        Run("zerolab", shape, stage=2, micro_batch=micro_batch, steps=steps, window=w, variant=f"rep{rep}", timeout_s=timeout_s,
+            first_launch=rep == 1),
+        Run("trl", shape, micro_batch=micro_batch, steps=steps, window=w, attn="auto", variant=f"rep{rep}", timeout_s=timeout_s,
+            first_launch=rep == 1))]
 
 
 def _fp8_against_bf16(shape: str, suffix: str = "", **settings: Any) -> list[Run]:
@@ -350,7 +357,7 @@ SUITES: dict[str, list[Run]] = {
     "qlora-curve-0.5b": [Run("zerolab", "qwen2.5-0.5b", micro_batch=4, steps=200, window=10, variant=f"{q}-curve", timeout_s=420,
                              overrides=(f"model.quantization={q}",)) for q in ("none", "nf4")],
     # zerolab against TRL's SFTTrainer (the peer users weigh it against), 7B on one GPU with two packed
-    # 4k rows per step, medians of three; the first pair are first launches where ZEROLAB_CACHE is fresh.
+    # 4k rows per step, medians of three; the first pair are first launches (empty data and kernel caches).
     "trl-7b": _suite_trl("qwen2.5-7b", micro_batch=2, steps=12, timeout_s=300),
     "trl-0.5b": _suite_trl("qwen2.5-0.5b", micro_batch=4, steps=20, timeout_s=180),
     # Where zerolab's checkpointed nf4 step at one row loses to TRL's (h100-60: 6,047 against 7,501 tokens/s):
@@ -594,6 +601,10 @@ def execute(run: Run, ws: Workspace, log: Any) -> tuple[dict[str, Any], dict[str
         env.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
     if run.system == "trl" and run.gpus == 1:  # Trainer would wrap the model in DataParallel over every visible GPU
         env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    if run.first_launch:
+        caches = ws.root / "first-launch" / run.name
+        shutil.rmtree(caches, ignore_errors=True)
+        env.update(ZEROLAB_CACHE=str(caches / "zerolab"), TRITON_CACHE_DIR=str(caches / "triton"))
     log.write(f"\n===== {run.name}\n$ {row['command']}\n")
     log.flush()
     launch = time.time()
