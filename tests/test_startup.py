@@ -139,6 +139,26 @@ def test_on_a_gpu_the_first_step_ends_when_the_device_has_done_it():
     assert issued + 0.1 < first < issued + 0.9
 
 
+def test_the_engine_is_built_without_deepcompiles_backend_unless_the_config_turns_it_on():
+    """DeepSpeed's engine registered DeepCompile's graph passes whenever torch could run it (on CUDA,
+    which DeepSpeed's check is made to answer here as on a GPU host), which imports DeepCompile's
+    backend (AOTAutograd, TorchInductor's lowering). A ZeRO-2 engine of the tiny LoRA model is built
+    without it; a config with DeepCompile on keeps DeepSpeed's own check."""
+    built = _python("import json, os, sys, torch\n"
+                    "import deepspeed.runtime.engine as e\ne.is_deepcompile_supported = own = lambda: True\n"
+                    "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='29561', RANK='0', WORLD_SIZE='1', LOCAL_RANK='0')\n"
+                    "from zerolab.ds_runtime import init_distributed\ninit_distributed('gloo')\n"
+                    "from zerolab import ds_config\nfrom zerolab.config import load_config\n"
+                    "from zerolab.engine import Zero3Loading, build_model, initialize_engine\n"
+                    "cfg = load_config(None, ['scaling.num_workers=1', 'train.precision=bf16'])\n"
+                    "ds = ds_config.resolve(cfg, {'hidden_size': 128})\n"
+                    "engine = initialize_engine(build_model(cfg, ds, 10, zero3=Zero3Loading()), cfg, ds, 10)\n"
+                    "from zerolab.engine import _deepcompile_passes_left_out\n"
+                    "with _deepcompile_passes_left_out({'compile': {'deepcompile': True}}):\n    kept = e.is_deepcompile_supported is own\n"
+                    "print(json.dumps({'optimizer': type(engine.optimizer).__name__, 'kept': kept, 'restored': e.is_deepcompile_supported is own,\n"
+                    "                  'backend': 'deepspeed.compile.backend' in sys.modules}))")
+    assert built == {"optimizer": "DeepSpeedZeroOptimizer", "kept": True, "restored": True, "backend": False}
+
 def test_a_job_that_trains_in_its_process_tokenizes_on_all_cores_and_trains_with_the_workers_setting(monkeypatch):
     """The process takes the training processes' environment before it imports the training stack,
     except the fast tokenizer's threading, which the training function turns off once the data is

@@ -8,7 +8,9 @@ by a :class:`Zero3Loading` the caller owns and closes."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -138,19 +140,42 @@ def initialize_engine(model: torch.nn.Module, cfg: SFTConfig, ds_config: dict, t
 
         log_rank0("%d quantized layers keep nothing between their forward and backward%s", keep_nothing_between_products(model),
                   ", computing from their gathered weights" if zero3 else "")
-    engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        optimizer=build_optimizer(model, cfg),
-        lr_scheduler=lambda optimizer: _build_scheduler(optimizer, cfg, total_steps),
-        config=ds_config,
-        mpu=mpu,
-        dist_init_required=False,
-    )
+    with _deepcompile_passes_left_out(ds_config):
+        engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=build_optimizer(model, cfg),
+            lr_scheduler=lambda optimizer: _build_scheduler(optimizer, cfg, total_steps),
+            config=ds_config,
+            mpu=mpu,
+            dist_init_required=False,
+        )
     if isinstance(engine.optimizer, (FP16_Optimizer, FP16_UnfusedOptimizer)):
         engine.optimizer.optimizer.state.clear()
     if batch_zero_step_checks(engine.optimizer) or batch_zero3_grad_norm(engine.optimizer):
         log_rank0("ZeRO-%d: the step's gradient checks in one multi-tensor norm", ds_config["zero_optimization"]["stage"])
     return engine
+
+
+@contextlib.contextmanager
+def _deepcompile_passes_left_out(ds_config: dict) -> Iterator[None]:
+    """Build DeepSpeed's engine without registering DeepCompile's graph passes where the config
+    leaves DeepCompile off (zerolab's configs always do).
+
+    The engine registers them while it is built whenever torch could run DeepCompile, and
+    registering imports DeepCompile's backend, which loads AOTAutograd and TorchInductor's lowering:
+    0.9 s on the 2-core CPU machine, 2-3 s of ``deepspeed.initialize`` on an H100 host, before a
+    first step that compiles nothing. Only ``engine.compile`` with DeepCompile on reads the passes."""
+    if (ds_config.get("compile") or {}).get("deepcompile"):
+        yield
+        return
+    import deepspeed.runtime.engine as ds_engine
+
+    supported = ds_engine.is_deepcompile_supported
+    ds_engine.is_deepcompile_supported = lambda: False
+    try:
+        yield
+    finally:
+        ds_engine.is_deepcompile_supported = supported
 
 
 def batch_zero_step_checks(optimizer: Any) -> bool:
