@@ -106,7 +106,7 @@ def import_deepspeed() -> types.ModuleType:
     return sys.modules["deepspeed"]
 
 
-MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+_MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
 
 
 def _muon_compiled_at_first_call() -> None:
@@ -119,7 +119,10 @@ def _muon_compiled_at_first_call() -> None:
     TorchInductor and AOTAutograd: 3.5 s of ``deepspeed.initialize`` on an H100 host (py-spy,
     docs/benchmark.md), for functions only a Muon optimizer calls. Nothing else changes: a Muon
     optimizer's first step compiles them as before."""
-    if MUON in sys.modules or importlib.util.find_spec(MUON) is None:
+    try:
+        if _MUON in sys.modules or importlib.util.find_spec(_MUON) is None:
+            return
+    except ModuleNotFoundError:  # a DeepSpeed without the Muon package
         return
     from deepspeed.runtime import compiler
 
@@ -142,7 +145,7 @@ def _muon_compiled_at_first_call() -> None:
 
     compiler.compile = deferred
     try:
-        importlib.import_module(MUON)
+        importlib.import_module(_MUON)
     finally:
         compiler.compile = eager
 
