@@ -529,7 +529,7 @@ def test_a_cpu_workers_baseline_is_what_its_imports_hold_here_and_the_rest_of_th
     kept = list((models.cache_dir() / "host_baseline").glob("*.json"))
     assert kept and any(json.loads(f.read_text())["rss_bytes"] == measured for f in kept)
     memory.worker_imports_rss.cache_clear()
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("measured again"))
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("measured again"))
     assert memory.worker_imports_rss() == measured
 
 
@@ -1622,3 +1622,28 @@ def test_int8_products_working_tensors_are_counted_at_the_largest_projection():
     h, inter = shape.hidden_size, shape.intermediate_size
     assert int8_product_transient(job("int8")) == 2 * 4096 * (h + 4 * inter) > dequantized_transient(job("int8"))
     assert int8_product_transient(job("nf4")) == 0
+
+
+def test_a_cpu_job_measures_its_workers_baseline_beside_its_own_start(monkeypatch, tmp_path):
+    """Where the environment has no measurement kept, a CPU job starts the measuring process at its
+    start (``run_sft``), and the estimate later reads that process instead of starting one; once
+    kept, nothing is started."""
+    from zerolab.memory import calibration
+
+    monkeypatch.setenv("ZEROLAB_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibration, "_probe", None)
+    calibration._baseline_file.cache_clear()
+    memory.worker_imports_rss.cache_clear()
+    try:
+        calibration.measure_worker_imports_meanwhile()
+        started = calibration._probe
+        assert started is not None and started.poll() is None  # importing while the job goes on
+        monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a second measuring process"))
+        measured = memory.worker_imports_rss()
+        assert 200 * 2**20 < measured < 4 * GIB and started.returncode == 0 and calibration._probe is None
+        assert json.loads(calibration._baseline_file()[0].read_text())["rss_bytes"] == measured
+        calibration.measure_worker_imports_meanwhile()  # kept: nothing to measure
+        assert calibration._probe is None
+    finally:  # the next test's cache folder is not this one
+        calibration._baseline_file.cache_clear()
+        memory.worker_imports_rss.cache_clear()

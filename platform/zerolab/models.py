@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import shutil
 import tempfile
@@ -23,6 +22,7 @@ from huggingface_hub.errors import StrictDataclassError
 import zerolab.lean_imports  # noqa: F401  # isort: skip  (before transformers: its models then load without scikit-learn)
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from zerolab import cache_dir
 from zerolab.checkpoint_files import CHECKPOINT_FILES_KEY, checkpoint_file_sizes
 from zerolab.config import BUILTIN_TINY_MODEL, ModelSpec
 from zerolab.errors import UserError
@@ -50,10 +50,6 @@ _TINY_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, 
 
 class ModelLoadError(UserError, RuntimeError):
     """The model or tokenizer could not be loaded; the message says what to do."""
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("ZEROLAB_CACHE", Path.home() / ".cache" / "zerolab")).expanduser()
 
 
 def resolve_model_path(name_or_path: str) -> str:

@@ -38,6 +38,7 @@ from zerolab.cluster import (
 )
 from zerolab.config import ConfigError, SFTConfig
 from zerolab.data import PreparedSplit, needs_ray_data, worker_datasets
+from zerolab.memory import measure_worker_imports_meanwhile
 from zerolab.plan import JobPlan, check_resources, plan_job
 from zerolab.stop import DeadlineReached, Interrupted, NoFinalCheckpoint, StopSignal
 from zerolab.worker_plan import TrackingTarget, WorkerPlan
@@ -101,6 +102,8 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
             tracking.check_store(uri)
             store = tracking.StoreCheck(uri, cfg.tracking.experiment, registry=cfg.tracking.register)
             clock.mark("run folder and MLflow store checks")
+            if not cfg.scaling.use_gpu:  # the memory estimate's CPU-worker baseline, measured beside the imports below
+                measure_worker_imports_meanwhile()
             if may_train_in_driver(cfg):
                 adopt_worker_env(cfg)
             if needs_ray(cfg) or needs_ray_data(cfg):

@@ -48,6 +48,7 @@ from zerolab.memory.calibration import (
     DEFAULT_IMPORTS_CPU_BYTES,
     WORKER_IMPORTS,
     Calibration,
+    measure_worker_imports_meanwhile,
     without_ray,
     worker_imports_rss,
 )
@@ -77,5 +78,5 @@ __all__ = [
     "Limits", "MIB", "MemoryEstimateError", "MemoryPreflightError", "MicroBatch", "ModelShape", "OffloadMode", "Option", "PROJECTIONS",
     "ParamSpec", "PlanRow", "RELATIVE_STEP_TIME", "Recommendation", "ShardLengths", "WORKER_IMPORTS", "estimate", "format_longest_row", "format_table",
     "largest_micro_batch", "parameter_inventory", "parse_size", "plan_options", "preflight", "recommend", "target_projections",
-    "trainable_params", "without_ray", "worker_imports_rss", "worst_case_by_config", "worst_micro_batch",
+    "trainable_params", "without_ray", "worker_imports_rss", "measure_worker_imports_meanwhile", "worst_case_by_config", "worst_micro_batch",
 ]

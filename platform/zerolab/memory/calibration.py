@@ -7,6 +7,7 @@ environment, what the software a CPU worker imports holds.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import hashlib
@@ -18,6 +19,7 @@ import re
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import zerolab
 from zerolab.memory.units import GIB, KIB, MIB
@@ -161,18 +163,9 @@ DEFAULT_IMPORTS_CPU_BYTES = 600 * MIB
 
 
 @functools.lru_cache(maxsize=1)
-def worker_imports_rss() -> int | None:
-    """RSS of a fresh Python process of this environment once it has imported
-    :data:`WORKER_IMPORTS` on DeepSpeed's CPU accelerator: the part of a CPU worker's baseline that
-    the installed software decides. Measured once in a subprocess (about 10 s on the 2-core machine)
-    and kept in ``<zerolab cache>/host_baseline/``, keyed by this Python and the versions of the
-    packages (torch's names its build) and of zerolab; None where it cannot be measured.
-
-    Measured on the driver, it stands for workers on nodes with the same software (a cluster's
-    nodes run one image)."""
-    # zerolab.models imports torch: only a measurement needs its cache folder.
-    from zerolab.models import cache_dir
-
+def _baseline_file() -> tuple[Path, dict[str, str | None]]:
+    """Where :func:`worker_imports_rss` keeps its measurement for this environment, and the
+    package versions that key it."""
     versions: dict[str, str | None] = {}
     for package in ("torch", "deepspeed", "transformers", "peft", "ray", "numpy", "pyarrow"):
         try:
@@ -180,20 +173,66 @@ def worker_imports_rss() -> int | None:
         except importlib.metadata.PackageNotFoundError:
             versions[package] = None
     key = hashlib.sha256(json.dumps([sys.executable, sys.version, versions, zerolab.__version__, WORKER_IMPORTS]).encode()).hexdigest()
-    path = cache_dir() / "host_baseline" / f"{key[:32]}.json"
+    return zerolab.cache_dir() / "host_baseline" / f"{key[:32]}.json", versions
+
+
+_probe: subprocess.Popen | None = None
+"""The measuring process :func:`measure_worker_imports_meanwhile` started, until
+:func:`worker_imports_rss` reads it."""
+
+
+def _start_probe() -> subprocess.Popen:
+    code = f"import {', '.join(WORKER_IMPORTS)}\nprint(open('/proc/self/status').read())"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _stop_probe() -> None:
+    if _probe is not None and _probe.poll() is None:
+        _probe.kill()
+
+
+def measure_worker_imports_meanwhile() -> None:
+    """Start :func:`worker_imports_rss`'s measurement now, in the background, where this
+    environment has none kept: a CPU job calls this at its start, so that the measuring process
+    imports beside the job's own imports and Ray's start instead of after them (a machine's first
+    CPU job: 10-14 s of the 2-core machine's start-up, which Ray's start mostly spends waiting)."""
+    global _probe
+    if _probe is None and not _baseline_file()[0].is_file():
+        _probe = _start_probe()
+        atexit.register(_stop_probe)  # a job that never estimates its memory leaves no process behind
+
+
+@functools.lru_cache(maxsize=1)
+def worker_imports_rss() -> int | None:
+    """RSS of a fresh Python process of this environment once it has imported
+    :data:`WORKER_IMPORTS` on DeepSpeed's CPU accelerator: the part of a CPU worker's baseline that
+    the installed software decides. Measured once in a subprocess (about 10 s on the 2-core machine;
+    started early by :func:`measure_worker_imports_meanwhile`) and kept in ``<zerolab
+    cache>/host_baseline/``, keyed by this Python and the versions of the packages (torch's names
+    its build) and of zerolab; None where it cannot be measured.
+
+    Measured on the driver, it stands for workers on nodes with the same software (a cluster's
+    nodes run one image)."""
+    global _probe
+    path, versions = _baseline_file()
     try:
         return int(json.loads(path.read_text())["rss_bytes"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    probe = f"import {', '.join(WORKER_IMPORTS)}\nprint(open('/proc/self/status').read())"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    probe: subprocess.Popen | None = None
     try:
-        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300, check=True).stdout
+        probe, _probe = _probe or _start_probe(), None
+        out, err = probe.communicate(timeout=300)
+        if probe.returncode:
+            raise subprocess.CalledProcessError(probe.returncode, probe.args, out, err)
         found = re.search(r"^VmRSS:\s+(\d+) kB", out, re.MULTILINE)
         if found is None:
             raise ValueError("no VmRSS in /proc/self/status")
         rss = int(found.group(1)) * KIB
     except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        if probe is not None and probe.poll() is None:
+            probe.kill()
         logger.warning("could not measure what a CPU worker's imports hold (%s); the host estimate takes %d MiB",
                        exc, DEFAULT_IMPORTS_CPU_BYTES // MIB)
         return None
