@@ -196,7 +196,7 @@ def measure_worker_imports_meanwhile() -> None:
     """Start :func:`worker_imports_rss`'s measurement now, in the background, where this
     environment has none kept: a CPU job calls this at its start, so that the measuring process
     imports beside the job's own imports and Ray's start instead of after them (a machine's first
-    CPU job: 10-14 s of the 2-core machine's start-up, which Ray's start mostly spends waiting)."""
+    CPU job: 6-10 s of the 2-core machine's start-up, which Ray's start mostly spends waiting)."""
     global _probe
     if _probe is None and not _baseline_file()[0].is_file():
         _probe = _start_probe()
