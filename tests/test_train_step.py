@@ -463,6 +463,19 @@ def test_a_cpu_process_group_builds_no_inference_only_deepspeed_op(tmp_path):
     assert not list(extensions.rglob("*shm*"))
 
 
+def test_only_deepspeeds_cpu_accelerator_has_the_shared_memory_ops_builder():
+    """Where zerolab marks the op (``ds_runtime.init_distributed``): DeepSpeed's CUDA accelerator has
+    no builder for it, so on a GPU DeepSpeed never reads its table of compatible ops, whose first read
+    probes every op builder."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+    from zerolab.ds_runtime import SHM_COMM_BUILDER
+
+    assert CPU_Accelerator().get_op_builder(SHM_COMM_BUILDER) is not None
+    assert CUDA_Accelerator().get_op_builder(SHM_COMM_BUILDER) is None
+
+
 def test_the_steps_run_with_the_objects_made_before_them_frozen():
     """A full garbage collection during the steps walks only what the steps made (perf.frozen_heap)."""
     import gc

@@ -20,17 +20,27 @@ SHM_COMM_OP = "deepspeed_shm_comm"
 (``inference_all_reduce``) calls it, yet its CPU accelerator compiles it at the first process
 group of every machine (about 30 s on two cores). Training never uses it, so it is not built."""
 
+SHM_COMM_BUILDER = "ShareMemCommBuilder"
+"""The op builder of :data:`SHM_COMM_OP` (``deepspeed.comm.torch.build_shm_op`` asks the accelerator for it)."""
+
 
 def init_distributed(backend: str, **kwargs: Any) -> None:
     """``deepspeed.init_distributed`` without building :data:`SHM_COMM_OP` (DeepSpeed skips an op
-    marked incompatible and falls back to the process group's all-reduce)."""
+    marked incompatible and falls back to the process group's all-reduce).
+
+    Only an accelerator with a builder for it (DeepSpeed's CPU accelerator) would build it, and the
+    mark is made there alone: DeepSpeed fills the table of compatible ops on its first read, probing
+    every op builder (compilers, the GPUs; 0.5 s of an H100 host's start-up), and on CUDA nothing
+    else reads it."""
     from zerolab.lean_imports import import_deepspeed  # here: importing it loads transformers
 
     import_deepspeed()  # a worker's first import of DeepSpeed
     import deepspeed
     import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
 
-    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
+    if get_accelerator().get_op_builder(SHM_COMM_BUILDER) is not None:
+        deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
     deepspeed.init_distributed(dist_backend=backend, **kwargs)
 
 
