@@ -49,8 +49,7 @@ class Zero3Loading:
 
 
 def build_model(cfg: SFTConfig, ds_config: dict, total_steps: int, *, zero3: Zero3Loading,
-                ulysses: UlyssesAttention | None = None, device: torch.device | None = None,
-                layers: int | None = None) -> torch.nn.Module:
+                ulysses: UlyssesAttention | None = None, device: torch.device | None = None) -> torch.nn.Module:
     """The model with its adapter. Under ZeRO 0-2 it goes to ``device`` (where
     ``deepspeed.initialize`` would move it) as it loads (``zerolab.models.load_model``), before peft
     wraps it: DoRA's set-up, which reads every wrapped weight to compute its norm, made the whole
@@ -63,10 +62,7 @@ def build_model(cfg: SFTConfig, ds_config: dict, total_steps: int, *, zero3: Zer
     sequence tiles, and with ``model.offload_checkpoints`` each layer's checkpoint goes to host memory.
 
     With ``scaling.sequence_parallel_size`` > 1 it turns ``ulysses`` on (the sequence-parallel
-    groups and attention, ``zerolab.sequence_parallel``) before the model loads; the caller closes it.
-
-    ``layers``: the same model cut to that many decoder layers, with fresh weights and none read
-    (``zerolab.models.load_model``), for ``zerolab.kernels_ahead``."""
+    groups and attention, ``zerolab.sequence_parallel``) before the model loads; the caller closes it."""
     if ulysses is not None and cfg.scaling.sequence_parallel_size > 1:
         ulysses.enable(cfg.scaling.sequence_parallel_size, kernels.resolve_attention(cfg.model.attn_implementation),
                        load_model_config(cfg.model), packing=cfg.data.packing, micro_batch_size=cfg.train.micro_batch_size)
@@ -78,7 +74,7 @@ def build_model(cfg: SFTConfig, ds_config: dict, total_steps: int, *, zero3: Zer
     # quantized base's: transformers loads those whole, quantized on the device through a device
     # map, and ``deepspeed.initialize`` partitions them.
     on_device = device is not None and device.type != "cpu" and (cfg.deepspeed.stage < 3 or quantized)
-    model = load_model(cfg.model, dtype, device if on_device else None, layers=layers)
+    model = load_model(cfg.model, dtype, device if on_device else None)
     if cfg.deepspeed.stage == 3 and quantized:
         zero3.enable(ds_config)  # only now: transformers refuses a device map while it is on
     head_trains = not cfg.adapter.is_peft() or "lm_head" in cfg.adapter.target_modules

@@ -253,18 +253,13 @@ def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | None = None, *,
-               layers: int | None = None) -> PreTrainedModel:
+def load_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | None = None) -> PreTrainedModel:
     """The model in ``dtype`` (its linear layers quantized where ``spec.quantization`` says so), on
     ``device`` when given. A checkpoint saved in ``dtype`` loads lazily
     from its memory-mapped files and each tensor is copied to the device, so the host holds only
     the pages being read; one in another dtype is converted tensor by tensor on its way to the
     device (7B bf16 checkpoint in fp32: 16 GiB of host RSS, against 44 GiB when converted whole on
-    the host first).
-
-    ``layers``: the checkpoint's shape cut to that many decoder layers, built on ``device`` with
-    freshly initialised weights and no weights read (``zerolab.kernels_ahead`` compiles the first
-    step's kernels on it)."""
+    the host first)."""
 
     path = resolve_model_path(spec.name_or_path)
     quantization = bnb_config(spec.quantization, dtype)
@@ -273,20 +268,16 @@ def load_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | None 
         apply_rope_scaling(config, spec)
         # bitsandbytes quantizes each tensor as it reaches the device (a quantized model cannot be moved after).
         by_map = device is not None and (quantization is not None or saved_dtype(config) not in (None, dtype))
-        if layers is not None:  # built on the device, not quantized
-            quantization = None
-            model = _model_of_shape(config, spec, dtype, device, layers)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(
-                path,
-                config=config,
-                revision=spec.revision,
-                dtype=dtype,
-                attn_implementation=resolve_attention(spec.attn_implementation),
-                trust_remote_code=spec.trust_remote_code,
-                **({"quantization_config": quantization} if quantization is not None else {}),
-                **({"device_map": {"": str(device)}} if by_map else {}),
-            )
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            config=config,
+            revision=spec.revision,
+            dtype=dtype,
+            attn_implementation=resolve_attention(spec.attn_implementation),
+            trust_remote_code=spec.trust_remote_code,
+            **({"quantization_config": quantization} if quantization is not None else {}),
+            **({"device_map": {"": str(device)}} if by_map else {}),
+        )
     except (OSError, ValueError, ImportError) as exc:
         raise ModelLoadError(load_failure(spec.name_or_path, "model", exc)) from exc
     if device is not None and not by_map:
@@ -297,16 +288,6 @@ def load_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | None 
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     return model
-
-
-def _model_of_shape(config: Any, spec: ModelSpec, dtype: torch.dtype, device: torch.device | None, layers: int) -> PreTrainedModel:
-    """The model ``config`` describes at ``layers`` decoder layers, built on ``device`` (not quantized)."""
-    config.num_hidden_layers = layers
-    if isinstance(getattr(config, "layer_types", None), list):  # one entry per layer (sliding or full attention)
-        config.layer_types = config.layer_types[:layers]
-    with torch.device(device or "cpu"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=resolve_attention(spec.attn_implementation),
-                                                trust_remote_code=spec.trust_remote_code)
 
 
 def apply_rope_scaling(config: Any, spec: ModelSpec) -> None:

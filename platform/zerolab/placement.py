@@ -106,8 +106,7 @@ class InDriver:
     def context(self) -> OneRank:
         return OneRank()
 
-    @staticmethod
-    def device(use_gpu: bool) -> torch.device:
+    def device(self, use_gpu: bool) -> torch.device:
         # Ray reserved this process's GPU (a Tune trial, `--entrypoint-num-gpus`) through
         # CUDA_VISIBLE_DEVICES, or the job owns the node's Ray instance.
         return torch.device("cuda", 0) if use_gpu else torch.device("cpu")

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 import zerolab
-from zerolab import kernels_ahead, stop, tracking
+from zerolab import stop, tracking
 from zerolab.cadence import STOPPED_AT_DEADLINE
 from zerolab.checkpoints import RunFolder, RunRecord, check_same_data, check_storage, location, prepare_run_folder
 from zerolab.clock import StartupClock
@@ -106,7 +106,6 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
                 measure_worker_imports_meanwhile()
             if may_train_in_driver(cfg):
                 adopt_worker_env(cfg)
-                kernels_ahead.start(cfg, in_tune=in_tune)
             if needs_ray(cfg) or needs_ray_data(cfg):
                 connect_ray(cfg, importing=job_imports(cfg))
                 clock.mark("Ray (the training stack imported meanwhile)")
@@ -115,11 +114,8 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
                 import_now(job_imports(cfg))
                 clock.mark("the training stack's imports")
             launch = resolve_launch(cfg)
-            if launch != "driver":
-                kernels_ahead.stop()
             check_resources(cfg, launch)
             plan = plan_job(cfg, force=force, clock=clock, shared_data=shared_data, launch=launch)
-            kernels_ahead.allow(plan.memory)
             if resume.record is not None and not restart:
                 check_same_data(cfg, folder, resume.record, {k: r.fingerprint for k, r in plan.reports.items()},
                                 accept=accept_changed_data)
@@ -157,8 +153,6 @@ def run_sft(cfg: SFTConfig, *, config_file: str | Path | None = None, restart: b
             raise
         raise Interrupted(f"stopped during start-up, before training began: nothing was trained. Relaunch with "
                           f"run.name={cfg.run.name} to start it (it keeps this run's MLflow record).", run_name=cfg.run.name) from None
-    finally:
-        kernels_ahead.stop()
 
 
 def no_final_checkpoint(folder: RunFolder, metrics: dict[str, Any], run_name: str) -> NoFinalCheckpoint:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from zerolab import adapters, kernels_ahead, long_rows, perf, snapshot
+from zerolab import adapters, long_rows, perf, snapshot
 from zerolab.batches import Batch, MicroBatches
 from zerolab.cadence import STOPPED_AT_DEADLINE, Cadence, MetricWindow
 from zerolab.config import SFTConfig
@@ -112,7 +112,6 @@ def _train(plan: WorkerPlan, place: Place, zero3: Zero3Loading, ulysses: Ulysses
             width_multiple=cfg.scaling.sequence_parallel_size,
         )
         total_steps = _total_steps(cfg, batches.batches_per_epoch(), device)
-        kernels_ahead.feed(batches, total_steps)  # where this process started one (zerolab.run)
         data_ready = time.perf_counter()
 
         tokenizer = load_tokenizer(cfg.model)
@@ -134,7 +133,6 @@ def _train(plan: WorkerPlan, place: Place, zero3: Zero3Loading, ulysses: Ulysses
         now = time.perf_counter()
         log_rank0("worker ready in %.1f s: process group and data shard %.1f s, model %.1f s, DeepSpeed engine%s %.1f s",
                   now - started, data_ready - started, model_ready - data_ready, " and checkpoint" if start_step else "", now - model_ready)
-        kernels_ahead.wait()
         stream = map(ulysses.shard, batches.iterate(start=start_step * cfg.train.grad_accum_steps))
         setup = _Setup(plan=plan, place=place, ctx=ctx, rank=rank, world=world, ulysses=ulysses, device=device, tokenizer=tokenizer, engine=engine,
                        total_steps=total_steps, trainable=trainable, total=total,
