@@ -394,7 +394,7 @@ from zerolab.config import load_config
 from zerolab.errors import EnvironmentProblem
 from zerolab.plan import check_resources
 cluster.CLUSTER_ANSWER_S = 3.0
-ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
+ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="ERROR")  # its own, whatever `ray start` left running
 gcs = [p for p in psutil.Process().children(recursive=True) if p.name() == "gcs_server"]
 assert gcs, "no gcs_server process under this driver"
 for p in gcs:
