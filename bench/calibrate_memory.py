@@ -134,7 +134,7 @@ class Case:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from workload import data_mix
 
-        from zerolab.models import cache_dir
+        from zerolab import cache_dir
 
         return [f"data.train_path={data_mix(cache_dir() / 'calibration', max_tokens=self.seq_len)}", "data.task=custom"]
 
@@ -389,8 +389,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def model_path(shape: str, root: Path | None = None) -> str:
     """A loadable folder (or built-in id) with the shape's architecture and random weights."""
+    from zerolab import cache_dir
     from zerolab.config import BUILTIN_TINY_MODEL
-    from zerolab.models import cache_dir
 
     if SHAPES[shape] is None:
         return BUILTIN_TINY_MODEL
@@ -526,8 +526,8 @@ def recompute_held_out(row: dict[str, str]) -> dict[str, str]:
     """A held-out ``row`` predicted again by the current estimator as its run's preflight did, from
     the shards of the case's data (tokenized here with the tokenizer every random-init model
     carries; no weights needed), measurements kept."""
+    from zerolab import cache_dir
     from zerolab.config import load_config
-    from zerolab.models import cache_dir
     from zerolab.plan import job_shard_lengths
 
     case = next((c for cases in CASES.values() for c in cases if c.name == row["case"]), None)

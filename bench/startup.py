@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(r), flush=True)
 
     if "cold-nocache" in cases:
-        from zerolab.models import cache_dir
+        from zerolab import cache_dir
 
         shutil.rmtree(cache_dir() / "tokenized", ignore_errors=True)
         record([zerolab_case(run, "cold-nocache", ws, args.out, env)])

@@ -11,8 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+import zerolab.data.prepare
 from conftest import REPO, rows_of, tiny_overrides
-from zerolab import data, models
+from zerolab import data
 from zerolab.batches import IGNORE_INDEX, PACKER, MicroBatches, epoch_order, pack_rows
 from zerolab.config import ModelSpec, load_config
 from zerolab.data import (
@@ -203,7 +204,7 @@ def test_packed_and_padded_batches_give_the_same_loss(tiny_model_path):
 def tokenized_cache(tmp_path, monkeypatch):
     """A tokenized-data cache of this test's own (the tiny model stays where it was built)."""
     folder = tmp_path / "cache"
-    monkeypatch.setattr(models, "cache_dir", lambda: folder)
+    monkeypatch.setattr(zerolab.data.prepare, "cache_dir", lambda: folder)
     return folder / "tokenized"
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+import zerolab
 from conftest import REPO, rows_of, tiny_overrides
 from zerolab import adapters, ds_config, memory, models
 from zerolab.checkpoint_files import CHECKPOINT_FILES_KEY, checkpoint_file_sizes
@@ -526,7 +527,7 @@ def test_a_cpu_workers_baseline_is_what_its_imports_hold_here_and_the_rest_of_th
     assert 200 * 2**20 < measured < 4 * GIB, measured / 2**20  # a fresh Python that imported torch, DeepSpeed, Ray...
     assert estimate(None).host_worker["worker process"] == measured + cal.host_process_cpu_bytes
     # Kept per environment: a process that finds it in the cache measures nothing.
-    kept = list((models.cache_dir() / "host_baseline").glob("*.json"))
+    kept = list((zerolab.cache_dir() / "host_baseline").glob("*.json"))
     assert kept and any(json.loads(f.read_text())["rss_bytes"] == measured for f in kept)
     memory.worker_imports_rss.cache_clear()
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("measured again"))
@@ -1632,7 +1633,6 @@ def test_a_cpu_job_measures_its_workers_baseline_beside_its_own_start(monkeypatc
 
     monkeypatch.setenv("ZEROLAB_CACHE", str(tmp_path))
     monkeypatch.setattr(calibration, "_probe", None)
-    calibration._baseline_file.cache_clear()
     memory.worker_imports_rss.cache_clear()
     try:
         calibration.measure_worker_imports_meanwhile()
@@ -1641,9 +1641,8 @@ def test_a_cpu_job_measures_its_workers_baseline_beside_its_own_start(monkeypatc
         monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a second measuring process"))
         measured = memory.worker_imports_rss()
         assert 200 * 2**20 < measured < 4 * GIB and started.returncode == 0 and calibration._probe is None
-        assert json.loads(calibration._baseline_file()[0].read_text())["rss_bytes"] == measured
+        assert json.loads(calibration._baseline_file().read_text())["rss_bytes"] == measured
         calibration.measure_worker_imports_meanwhile()  # kept: nothing to measure
         assert calibration._probe is None
     finally:  # the next test's cache folder is not this one
-        calibration._baseline_file.cache_clear()
         memory.worker_imports_rss.cache_clear()

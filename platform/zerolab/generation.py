@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import torch
 
+from zerolab import cache_dir
 from zerolab.cluster import cluster_resources, quiet_ray_data_logging
 from zerolab.config import ModelSpec
 from zerolab.data import DataError, RowError, list_data_files, parse_file, prompt_and_target
@@ -93,8 +94,6 @@ def load_examples(path: str, task: str, *, system_prompt: str | None = None, lim
 def default_eval_path(task: str, num_rows: int, seed: int) -> str:
     """The task's generated eval split: the same file (and seed) a training run with generated
     data holds out, so a tuned model is scored on the rows its run evaluated."""
-    from zerolab.models import cache_dir
-
     spec = get_task(task)
     if spec.generate is None:
         raise EvaluationError(f"task '{task}' has no generator, so there is no generated eval split; give an eval file", input="data")

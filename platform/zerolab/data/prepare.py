@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from zerolab import cache_dir
 from zerolab.batches import AUTO_LENGTH_MULTIPLE, IGNORE_INDEX, auto_max_seq_length
 from zerolab.config import SFTConfig
 from zerolab.data.formats import MAX_EXAMPLES, PARSED_SCHEMA, SUPPORTED_SUFFIXES, DataError, fingerprint, parse_file, scan_data_files
@@ -48,8 +49,6 @@ inputs of tens of MB; above this line a single process would also hold every row
 
 def dataset_paths(cfg: SFTConfig) -> dict[str, str]:
     """The files of each split: the configured ones, or task-generated ones (made once, cached)."""
-    from zerolab.models import cache_dir
-
     d = cfg.data
     task = get_task(d.task)
     paths: dict[str, str] = {}
@@ -109,8 +108,6 @@ def prepare_split(split: str, path: str, cfg: SFTConfig, model_path: str) -> Pre
     Raises DataError with the full report when the split has no rows, no usable rows, or its
     fraction of bad rows exceeds ``data.max_bad_fraction``.
     """
-    from zerolab.models import cache_dir
-
     key_name = "data.train_path" if split == "train" else "data.eval_path"
     files, skipped = scan_data_files(path)
     if skipped:

@@ -77,6 +77,6 @@ __all__ = [
     "ALL_OPTIONS", "BatchShape", "LONGEST_ROW_LIMIT", "LongerRow", "long_row_config", "longer_row_settings", "longest_row", "Calibration", "DEFAULT_CALIBRATION", "DEFAULT_IMPORTS_CPU_BYTES", "Estimate", "Fit", "GIB", "KIB",
     "Limits", "MIB", "MemoryEstimateError", "MemoryPreflightError", "MicroBatch", "ModelShape", "OffloadMode", "Option", "PROJECTIONS",
     "ParamSpec", "PlanRow", "RELATIVE_STEP_TIME", "Recommendation", "ShardLengths", "WORKER_IMPORTS", "estimate", "format_longest_row", "format_table",
-    "largest_micro_batch", "parameter_inventory", "parse_size", "plan_options", "preflight", "recommend", "target_projections",
-    "trainable_params", "without_ray", "worker_imports_rss", "measure_worker_imports_meanwhile", "worst_case_by_config", "worst_micro_batch",
+    "largest_micro_batch", "measure_worker_imports_meanwhile", "parameter_inventory", "parse_size", "plan_options", "preflight", "recommend", "target_projections",
+    "trainable_params", "without_ray", "worker_imports_rss", "worst_case_by_config", "worst_micro_batch",
 ]

@@ -163,9 +163,9 @@ DEFAULT_IMPORTS_CPU_BYTES = 600 * MIB
 
 
 @functools.lru_cache(maxsize=1)
-def _baseline_file() -> tuple[Path, dict[str, str | None]]:
-    """Where :func:`worker_imports_rss` keeps its measurement for this environment, and the
-    package versions that key it."""
+def _environment() -> tuple[str, dict[str, str | None]]:
+    """This environment's key (this Python, the packages' versions, zerolab's) and the package
+    versions in it: what a kept measurement of :func:`worker_imports_rss` belongs to."""
     versions: dict[str, str | None] = {}
     for package in ("torch", "deepspeed", "transformers", "peft", "ray", "numpy", "pyarrow"):
         try:
@@ -173,7 +173,12 @@ def _baseline_file() -> tuple[Path, dict[str, str | None]]:
         except importlib.metadata.PackageNotFoundError:
             versions[package] = None
     key = hashlib.sha256(json.dumps([sys.executable, sys.version, versions, zerolab.__version__, WORKER_IMPORTS]).encode()).hexdigest()
-    return zerolab.cache_dir() / "host_baseline" / f"{key[:32]}.json", versions
+    return key[:32], versions
+
+
+def _baseline_file() -> Path:
+    """Where :func:`worker_imports_rss` keeps its measurement for this environment."""
+    return zerolab.cache_dir() / "host_baseline" / f"{_environment()[0]}.json"
 
 
 _probe: subprocess.Popen | None = None
@@ -198,7 +203,7 @@ def measure_worker_imports_meanwhile() -> None:
     imports beside the job's own imports and Ray's start instead of after them (a machine's first
     CPU job: 6-10 s of the 2-core machine's start-up, which Ray's start mostly spends waiting)."""
     global _probe
-    if _probe is None and not _baseline_file()[0].is_file():
+    if _probe is None and not _baseline_file().is_file():
         _probe = _start_probe()
         atexit.register(_stop_probe)  # a job that never estimates its memory leaves no process behind
 
@@ -215,7 +220,7 @@ def worker_imports_rss() -> int | None:
     Measured on the driver, it stands for workers on nodes with the same software (a cluster's
     nodes run one image)."""
     global _probe
-    path, versions = _baseline_file()
+    path, versions = _baseline_file(), _environment()[1]
     try:
         return int(json.loads(path.read_text())["rss_bytes"])
     except (OSError, ValueError, KeyError, TypeError):
