@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from zerolab import adapters, kernels, long_rows, lora_nodes
 from zerolab.config import SFTConfig
-from zerolab.ds_config import UNCAPPED
 from zerolab.models import decoder_layers, load_model, load_model_config
 from zerolab.sequence_parallel import UlyssesAttention
 from zerolab.worker_log import log_rank0
@@ -136,9 +135,6 @@ def initialize_engine(model: torch.nn.Module, cfg: SFTConfig, ds_config: dict, t
         layers = make_zero3_leaf_layers(model)
         log_rank0("ZeRO-3: %d decoder layers (%s) gathered as one leaf module each", len(layers),
                   type(layers[0]).__name__ if layers else "none found")
-    if zero3 and ds_config["zero_optimization"].get("stage3_param_persistence_threshold") == UNCAPPED:
-        log_rank0("ZeRO-3 on one rank: every parameter stays gathered, in its partition's memory "
-                  "(zerolab.ds_config.whole_partition_persists)")
     if cfg.model.quantization != "none":
         from zerolab.quantized_products import keep_nothing_between_products  # bitsandbytes is an optional extra
 
