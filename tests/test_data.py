@@ -391,6 +391,30 @@ def test_prepared_rows_round_trip_through_arrow():
 
 
 @pytest.mark.ray
+@pytest.mark.parametrize("world, sp", [(3, 1), (4, 2)])
+def test_each_rank_reads_the_rows_shard_rows_gives_it_through_ray_data(ray_cluster, world, sp):
+    """worker_datasets through real Ray Data: rank r's iterator yields exactly its shard's rows, in
+    order (with sequence parallelism, its group's); a split's dataset holds every shard's rows."""
+    from zerolab.data import load_shard, worker_datasets
+
+    rows = rows_of([3, 5, 2, 4, 6, 1, 7])
+    ids = np.concatenate([r[0] for r in rows]).astype(np.int32)
+    labels = np.concatenate([r[1] for r in rows]).astype(np.int32)
+    offsets = np.concatenate([[0], np.cumsum([len(r[0]) for r in rows])])
+    prepared = {name: PreparedSplit(ids, labels, offsets, data.SplitReport(name, [], "")) for name in ("train", "eval")}
+    datasets, config = worker_datasets(prepared, world, sp)
+    per_rank = config.configure(datasets, world, None, None)
+    groups = world // sp
+    for name in ("train", "eval"):
+        expected = shard_rows(len(rows), groups, equal=(name == "train"))
+        for rank in range(world):
+            got = load_shard(per_rank[rank][name])
+            assert [g[0].tolist() for g in got] == [rows[i][0].tolist() for i in expected[rank // sp]], (name, rank)
+            assert [g[1].tolist() for g in got] == [rows[i][1].tolist() for i in expected[rank // sp]], (name, rank)
+        assert datasets[name].count() == sum(len(e) for e in expected)
+
+
+@pytest.mark.ray
 def test_ray_data_preparation_gives_the_driver_preparation_after_the_jobs_one_connect(
         _ray_session, tokenized_cache, tmp_path, tiny_model_path, monkeypatch):
     """Data over DRIVER_MAX_BYTES takes Ray Data: a job of one worker, which starts no Ray for its

@@ -129,6 +129,19 @@ def quiet_ray_data_logging() -> None:
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
 
 
+def start_data_stats_actor() -> None:
+    """Start Ray Data's statistics actor (named and detached, one per cluster) from this process,
+    outside any placement group, before a sweep's trials start their worker groups.
+
+    Ray Data starts it where a dataset first executes: for a worker group, in a worker, whose
+    placement group captures what the worker starts. The group's end then kills the actor with it,
+    and every trial of a sweep started it again, one more process on the trial's way to its first
+    step."""
+    from ray.data._internal.stats import get_or_create_stats_actor
+
+    get_or_create_stats_actor()
+
+
 def connect_ray(cfg: SFTConfig, *, log_to_driver: bool = True, importing: Sequence[str] = ()) -> None:
     """Join the cluster named by RAY_ADDRESS (set by ``ray job submit``; ``auto`` joins a local
     ``ray start`` cluster) or start a local one. zerolab itself is shipped to the workers with the

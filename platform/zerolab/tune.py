@@ -40,7 +40,7 @@ from ray.tune import Callback
 
 from zerolab import compare, memory, tracking
 from zerolab.checkpoints import RunFinished
-from zerolab.cluster import cluster_resources, connect_ray, may_train_in_driver, shutdown_ray, worker_resources
+from zerolab.cluster import cluster_resources, connect_ray, may_train_in_driver, shutdown_ray, start_data_stats_actor, worker_resources
 from zerolab.compare import format_value, run_labels
 from zerolab.config import ConfigError, SFTConfig
 from zerolab.data import data_identity
@@ -159,6 +159,8 @@ def run_sweep(base: SFTConfig, sweep: Sweep, *, resume: bool = False, out_dir: s
     stop = SweepStop()
     try:
         data = SweepData.prepare(base_cfg)
+        if not trains_in_trial(base_cfg, sweep):
+            start_data_stats_actor()
         with tracking.tracked_run(uri, base_cfg.tracking.experiment, sweep.name, tags={"zerolab.sweep": sweep.name}) as parent:
             parent_id = parent.run_id
             logger.info("sweep %s: MLflow parent run %s (%s); %s search over %s", sweep.name, parent_id,

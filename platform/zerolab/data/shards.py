@@ -36,16 +36,20 @@ def worker_datasets(prepared: dict[str, PreparedSplit], world_size: int, sequenc
     cache exist on the driver only. ``train`` shards are equal, so every rank runs the same number
     of steps; ``eval`` keeps every row. Ray's default ``streaming_split`` would hand blocks to
     whichever rank asks first, so a resumed run would not continue on the same rows.
+
+    Each block's metadata (rows, bytes, schema) is read here from the table in hand
+    (``ray.data.from_blocks``); ``from_arrow_refs`` would run a Ray task per block to read it back,
+    whose worker processes a 2-core machine starts anew for every run of a sweep. A split's dataset
+    is the union of its shards, which nothing executes: the workers read their shards.
     """
-    import ray
     import ray.data
     from ray.train import DataConfig
 
     sp = sequence_parallel_size
-    refs = {name: [ray.put(split.to_arrow(indices)) for indices in shard_rows(split.num_rows, world_size // sp, equal=(name == "train"))]
-            for name, split in prepared.items()}
-    datasets = {name: ray.data.from_arrow_refs(blocks) for name, blocks in refs.items()}
-    shards = {name: [ray.data.from_arrow_refs([block]) for block in blocks] for name, blocks in refs.items()}
+    shards = {name: [ray.data.from_blocks([split.to_arrow(indices)])
+                     for indices in shard_rows(split.num_rows, world_size // sp, equal=(name == "train"))]
+              for name, split in prepared.items()}
+    datasets = {name: parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0] for name, parts in shards.items()}
 
     class ShardedDataConfig(DataConfig):
         def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):  # type: ignore[override]
