@@ -53,6 +53,28 @@ def test_what_transformers_left_for_later_is_the_real_function_at_its_first_call
     assert before is True
 
 
+def test_a_lora_worker_on_an_unquantized_base_never_loads_bitsandbytes():
+    """peft imports bitsandbytes at its import and asks it about every targeted module; a worker that
+    trains LoRA, DoRA and AdaLoRA on a bf16 base never loads it, peft still takes it as installed
+    afterwards, and the first use of it (as a quantized base's loading makes) loads the real module."""
+    pytest.importorskip("bitsandbytes")
+    loaded = _python(f"{TRAINING_STACK}\nimport json, sys, torch\nfrom zerolab.adapters import apply_adapter\n"
+                     "from zerolab.config import AdapterSpec\nfrom zerolab.lora_nodes import fuse_lora\n"
+                     "from transformers import Qwen2Config, Qwen2ForCausalLM\nstates = []\n"
+                     "for method in ('lora', 'dora', 'adalora'):\n"
+                     "    base = Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,\n"
+                     "                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128))\n"
+                     "    model = apply_adapter(base, AdapterSpec(method=method), 10)\n"
+                     "    fuse_lora(model)\n"
+                     "    ids = torch.randint(0, 128, (1, 8))\n"
+                     "    model(ids, labels=ids).loss.backward()\n"
+                     "    states.append(type(sys.modules['bitsandbytes']).__name__)\n"
+                     "from peft.import_utils import is_bnb_4bit_available\nimport bitsandbytes\n"
+                     "print(json.dumps({'during': states, 'available': is_bnb_4bit_available(),\n"
+                     "                  'layer': bitsandbytes.nn.Linear4bit.__module__, 'real': type(sys.modules['bitsandbytes']).__name__}))")
+    assert loaded == {"during": ["_ModuleLater"] * 3, "available": True, "layer": "bitsandbytes.nn.modules", "real": "module"}
+
+
 def test_a_workers_deepspeed_leaves_mlflow_to_the_metric_logger():
     """A training worker's first import of DeepSpeed does not import MLflow (rank 0 imports it for its
     metric logger after the first step); DeepSpeed's autotuner still gets MLflow's own module."""

@@ -22,6 +22,8 @@ def apply_adapter(model: torch.nn.Module, spec: AdapterSpec, total_steps: int) -
         return model
     from peft import AdaLoraConfig, LoraConfig, get_peft_model
 
+    from zerolab.lean_imports import peft_without_bitsandbytes
+
     targets: Any = "all-linear" if list(spec.target_modules) == ["all-linear"] else list(spec.target_modules)
     common = dict(task_type="CAUSAL_LM", lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=targets)
     if spec.method == "adalora":
@@ -36,7 +38,8 @@ def apply_adapter(model: torch.nn.Module, spec: AdapterSpec, total_steps: int) -
     # bf16/fp16 under ZeRO 0-2 but not under ZeRO-3, where every adapter product then ran in fp32
     # (no tensor cores) with casts around it: a fifth of a 7B ZeRO-3 step's GPU time. The
     # optimizer keeps fp32 master weights either way.
-    model = get_peft_model(model, config, autocast_adapter_dtype=False)
+    with peft_without_bitsandbytes():
+        model = get_peft_model(model, config, autocast_adapter_dtype=False)
     # peft gives a layer's adapter its base weight's dtype only where that is a float: on an int8
     # base (LLM.int8()) they stay fp32, and the fused LoRA node takes one dtype throughout.
     dtype = model.get_input_embeddings().weight.dtype

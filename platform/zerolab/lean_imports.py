@@ -15,6 +15,13 @@ runs the autotuner): rank 0 then imports MLflow for its metric logger after the 
 step, the other ranks never. It also imports DeepSpeed's Muon optimizer module with its
 ``torch.compile`` decorations left to the functions' first calls (:func:`_muon_compiled_at_first_call`).
 
+bitsandbytes: peft imports it at its own import (``peft.helpers``), 1.3 s of the 2-core machine's
+CPU in every process that loads peft; and its LoRA and AdaLoRA import it again to ask each targeted
+module whether it is one of its quantized layers. Importing this module puts a stand-in in its place
+that loads it at the first attribute read (quantized bases load it through transformers first); while
+peft wraps a model in a process that has not loaded it, :func:`peft_without_bitsandbytes` has peft
+take it as not installed (no layer can be one of its layers then).
+
 How: while the one library module that would import it imports, ``sys.modules[name]`` holds a
 stand-in whose names load the real module when they are used (a function when it is called); then
 the entry goes again. Python's import statement takes a module it finds in ``sys.modules`` as loaded
@@ -27,13 +34,14 @@ imported before, nothing is done.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
 import sys
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 DEFERRED = (
@@ -78,6 +86,7 @@ class _ModuleLater(types.ModuleType):
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self.__spec__ = importlib.util.find_spec(name)  # find_spec(name) meanwhile answers as for the real module
+        self.__file__ = self.__spec__.origin  # what scans of sys.modules read (inspect.getmodule, for each module)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(_real(self.__name__, self), name)
@@ -150,5 +159,52 @@ def _muon_compiled_at_first_call() -> None:
         compiler.compile = eager
 
 
+BITSANDBYTES = "bitsandbytes"
+
+
+def loaded(name: str) -> bool:
+    """Whether the real module ``name`` is imported in this process (not a stand-in of this module)."""
+    module = sys.modules.get(name)
+    return module is not None and not isinstance(module, (_ModuleLater, _FunctionsLater))
+
+
+def _bitsandbytes_at_first_use() -> None:
+    if BITSANDBYTES in sys.modules or importlib.util.find_spec(BITSANDBYTES) is None:
+        return
+    with _loading:
+        sys.modules[BITSANDBYTES] = _ModuleLater(BITSANDBYTES)
+
+
+@contextlib.contextmanager
+def peft_without_bitsandbytes() -> Iterator[None]:
+    """peft takes bitsandbytes as not installed while it wraps a model here, where this process has
+    not loaded bitsandbytes (so no layer is one of its quantized layers); else nothing changes.
+
+    peft's checks (``peft.import_utils.is_bnb_available``, ``is_bnb_4bit_available``) are cached per
+    process: they are cleared on both sides, so later calls see bitsandbytes as installed again."""
+    if loaded(BITSANDBYTES):
+        yield
+        return
+    from peft import import_utils
+
+    checks = (import_utils.is_bnb_available, import_utils.is_bnb_4bit_available)
+    with _loading:
+        held = sys.modules.get(BITSANDBYTES)
+        sys.modules[BITSANDBYTES] = None  # type: ignore[assignment]  # find_spec then answers None
+    for check in checks:
+        check.cache_clear()
+    try:
+        yield
+    finally:
+        with _loading:
+            if held is None:
+                sys.modules.pop(BITSANDBYTES, None)
+            else:
+                sys.modules[BITSANDBYTES] = held
+        for check in checks:
+            check.cache_clear()
+
+
+_bitsandbytes_at_first_use()
 for _deferred, _importer in DEFERRED:
     _import_without(_deferred, _importer, _FunctionsLater)

@@ -30,7 +30,6 @@ back to peft's forward where it does not apply.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import types
 from typing import Any
 
@@ -62,8 +61,11 @@ def fuse_lora(model: torch.nn.Module) -> int:
 
 
 def _quantized_lora_types() -> tuple[type, ...]:
-    """peft's LoRA layers on bitsandbytes' 4-bit and int8 bases (none without bitsandbytes)."""
-    if importlib.util.find_spec("bitsandbytes") is None:
+    """peft's LoRA layers on bitsandbytes' 4-bit and int8 bases (none where this process has not
+    loaded bitsandbytes: no layer can be one of them)."""
+    from zerolab import lean_imports
+
+    if not lean_imports.loaded(lean_imports.BITSANDBYTES):
         return ()
     from peft.tuners.lora import bnb as peft_bnb
 
