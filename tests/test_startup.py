@@ -55,10 +55,11 @@ def test_what_transformers_left_for_later_is_the_real_function_at_its_first_call
 
 def test_a_lora_worker_on_an_unquantized_base_never_loads_bitsandbytes():
     """peft imports bitsandbytes at its import and asks it about every targeted module; a worker that
-    trains LoRA, DoRA and AdaLoRA on a bf16 base never loads it, peft still takes it as installed
-    afterwards, and the first use of it (as a quantized base's loading makes) loads the real module."""
+    trains LoRA, DoRA and AdaLoRA on a bf16 base never loads it, nor does an evaluation that applies
+    a saved adapter and merges it; peft still takes it as installed afterwards, and the first use of
+    it (as a quantized base's loading makes) loads the real module."""
     pytest.importorskip("bitsandbytes")
-    loaded = _python(f"{TRAINING_STACK}\nimport json, sys, torch\nfrom zerolab.adapters import apply_adapter\n"
+    loaded = _python(f"{TRAINING_STACK}\nimport json, sys, tempfile, torch\nfrom zerolab.adapters import apply_adapter\n"
                      "from zerolab.config import AdapterSpec\nfrom zerolab.lora_nodes import fuse_lora\n"
                      "from transformers import Qwen2Config, Qwen2ForCausalLM\nstates = []\n"
                      "for method in ('lora', 'dora', 'adalora'):\n"
@@ -69,10 +70,15 @@ def test_a_lora_worker_on_an_unquantized_base_never_loads_bitsandbytes():
                      "    ids = torch.randint(0, 128, (1, 8))\n"
                      "    model(ids, labels=ids).loss.backward()\n"
                      "    states.append(type(sys.modules['bitsandbytes']).__name__)\n"
+                     "    if method == 'lora':\n"
+                     "        model.save_pretrained(folder := tempfile.mkdtemp())\n"
+                     "from zerolab import generation\n"
+                     "generation.apply_adapter(Qwen2ForCausalLM(base.config), folder, merge=True)\n"
+                     "states.append(type(sys.modules['bitsandbytes']).__name__)\n"
                      "from peft.import_utils import is_bnb_4bit_available\nimport bitsandbytes\n"
                      "print(json.dumps({'during': states, 'available': is_bnb_4bit_available(),\n"
                      "                  'layer': bitsandbytes.nn.Linear4bit.__module__, 'real': type(sys.modules['bitsandbytes']).__name__}))")
-    assert loaded == {"during": ["_ModuleLater"] * 3, "available": True, "layer": "bitsandbytes.nn.modules", "real": "module"}
+    assert loaded == {"during": ["_ModuleLater"] * 4, "available": True, "layer": "bitsandbytes.nn.modules", "real": "module"}
 
 
 def test_a_workers_deepspeed_leaves_mlflow_to_the_metric_logger():

@@ -300,14 +300,17 @@ def apply_adapter(model: torch.nn.Module, adapter_path: str, *, merge: bool) -> 
     of MERGEABLE_METHODS). Raises EvaluationError when the adapter does not fit the model."""
     from peft import PeftModel
 
-    try:
-        peft_model = PeftModel.from_pretrained(model, adapter_path)
-    except (OSError, ValueError, RuntimeError, KeyError) as exc:
-        raise EvaluationError(
-            f"could not apply the adapter in {adapter_path} to the base model ({type(exc).__name__}: {_first_line(exc)}); check that the base model is the one the adapter was trained on",
-            input="model",
-        ) from None
-    return peft_model.merge_and_unload() if merge else peft_model
+    from zerolab.lean_imports import peft_without_bitsandbytes
+
+    with peft_without_bitsandbytes():
+        try:
+            peft_model = PeftModel.from_pretrained(model, adapter_path)
+        except (OSError, ValueError, RuntimeError, KeyError) as exc:
+            raise EvaluationError(
+                f"could not apply the adapter in {adapter_path} to the base model ({type(exc).__name__}: {_first_line(exc)}); check that the base model is the one the adapter was trained on",
+                input="model",
+            ) from None
+        return peft_model.merge_and_unload() if merge else peft_model
 
 
 @dataclass
