@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import uuid
@@ -126,10 +127,28 @@ def tiny_overrides(tmp_path: Path, **extra: object) -> list[str]:
     return [f"{k}={v}" for k, v in values.items()]
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, between Ray's worker ports (10002-19999) and the kernel's ephemeral
+    range, and not handed out before in this process. What binds it does so seconds later (a spawned
+    rank after its imports, a server once started), and meanwhile a port of the ephemeral range (what
+    binding port 0 gives) can go to any process's outgoing connection, Ray's of the session's other
+    tests among them: a two-rank test failed there with EADDRINUSE."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
+    for port in random.SystemRandom().sample(range(20000, low), low - 20000):
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in 20000-{low - 1}")
 
 
 def on_two_ranks(target, *args: object) -> dict:

@@ -397,16 +397,16 @@ cluster.CLUSTER_ANSWER_S = 3.0
 ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="ERROR")  # its own, whatever `ray start` left running
 gcs = [p for p in psutil.Process().children(recursive=True) if p.name() == "gcs_server"]
 assert gcs, "no gcs_server process under this driver"
-for p in gcs:
-    p.suspend()
 def stopped(p):  # SIGSTOP lands when each of its threads is next scheduled: until then the GCS may still answer
     return all(open(f"/proc/{{p.pid}}/task/{{t.id}}/stat").read().rsplit(")", 1)[1].split()[0] == "T" for t in p.threads())
-deadline = time.monotonic() + 30
-while not all(stopped(p) for p in gcs):
-    assert time.monotonic() < deadline, "the gcs_server did not stop within 30 s of SIGSTOP"
-    time.sleep(0.01)
-started = time.monotonic()
 try:
+    for p in gcs:
+        p.suspend()
+    deadline = time.monotonic() + 30
+    while not all(stopped(p) for p in gcs):
+        assert time.monotonic() < deadline, "the gcs_server did not stop within 30 s of SIGSTOP"
+        time.sleep(0.01)
+    started = time.monotonic()
     check_resources(load_config(None, ["scaling.use_gpu=false", "scaling.num_workers=1"]), "workers")
     print(f"ANSWERED after {{time.monotonic() - started:.1f}} s")
 except EnvironmentProblem as exc:
