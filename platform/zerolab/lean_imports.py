@@ -24,7 +24,7 @@ take it as not installed (no layer can be one of its layers then).
 
 How: while the one library module that would import it imports, ``sys.modules[name]`` holds a
 stand-in whose names load the real module when they are used (a function when it is called); then
-the entry goes again. Python's import statement takes a module it finds in ``sys.modules`` as loaded
+the entry goes again (bitsandbytes' stays until its first use: more than one module imports it). Python's import statement takes a module it finds in ``sys.modules`` as loaded
 (https://docs.python.org/3/reference/import.html#the-module-cache), so the library binds the
 stand-in's names, and the packages themselves stay untouched: nothing of them is imported, and any
 later ``import`` of them (user code in the same process, or the feature's first use) loads the real
