@@ -98,3 +98,20 @@ def test_mixture_of_experts_and_unknown_models_stay_uncapped():
     live = [ds_config.resolve(cfg, c)["zero_optimization"]["stage3_max_live_parameters"]
             for c in (dense, moe, {"model_type": "gpt2", "hidden_size": 768})]
     assert live[0] < 2e9 and live[1] == live[2] == ds_config.UNCAPPED
+
+
+@pytest.mark.parametrize("overrides, persists", [
+    (["scaling.num_workers=1"], True),
+    (["scaling.num_workers=1", "adapter.method=full"], True),
+    (["scaling.num_workers=1", "deepspeed.offload_optimizer=true"], True),
+    (["scaling.num_workers=1", "deepspeed.offload_param=true"], False),
+    (["scaling.num_workers=2"], False),
+], ids=["one-rank", "one-rank-full", "one-rank-optimizer-offload", "one-rank-param-offload", "two-ranks"])
+def test_zero3_keeps_every_parameter_gathered_on_one_rank_whose_parameters_stay_on_its_device(overrides, persists):
+    """One rank holds each parameter's whole partition: every parameter persists there. Parameter
+    offload moves them to the host, and with several ranks each holds a part: there the threshold
+    is the adapter's or the hidden size's."""
+    cfg = load_config(None, ["deepspeed.stage=3", *overrides])
+    threshold = ds_config.resolve(cfg, {"hidden_size": 64})["zero_optimization"]["stage3_param_persistence_threshold"]
+    assert (threshold == ds_config.UNCAPPED) is persists
+    assert persists or threshold < 10**7

@@ -42,11 +42,11 @@ def reference_gradient() -> tuple[dict[str, torch.Tensor], float]:
     return grads, torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()])).item()
 
 
-def join_group(rank: int, port: int) -> None:
-    """Join a two-rank gloo process group on this machine's CPU as the jobs form it
+def join_group(rank: int, port: int, world: int = 2) -> None:
+    """Join a two-rank (``world``) gloo process group on this machine's CPU as the jobs form it
     (``zerolab.ds_runtime.init_distributed``)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                      DS_ACCELERATOR="cpu")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
     from zerolab.ds_runtime import init_distributed
 
     init_distributed("gloo")
@@ -304,6 +304,71 @@ def test_zero3_leaf_layers_train_as_per_module_zero3_and_zero2(method, gradient_
             torch.testing.assert_close(weights[n], ref_weights[n], rtol=0, atol=1e-3, msg=f"{reference}: {n}")
 
 
+ONE_RANK_VARIANTS = ("kept gathered", "DeepSpeed's release at each step", "gathered per layer")
+
+
+def one_rank_worker(rank: int, port: int, results: dict) -> None:
+    """ZeRO-3 LoRA on one rank, leaf layers, three steps: as zerolab builds it (every parameter
+    persistent, kept gathered across the optimizer step), with DeepSpeed's own release and gather
+    around each step, and with the persistence threshold of several ranks (each layer's weights
+    gathered and released around it)."""
+    join_group(rank, port, world=1)
+    import deepspeed
+    from transformers import AutoConfig
+
+    from zerolab import ds_config
+    from zerolab.config import load_config
+    from zerolab.engine import Zero3Loading, build_model, initialize_engine
+    from zerolab.models import build_tiny_model
+    from zerolab.train import optimizer_step
+
+    cfg = load_config(None, ["deepspeed.stage=3", "scaling.num_workers=1", "adapter.dropout=0", "train.micro_batch_size=2",
+                             f"train.grad_accum_steps={ACCUM}", "train.lr=1e-2", "train.warmup_ratio=0", "train.lr_scheduler=constant"])
+    model_config = AutoConfig.from_pretrained(build_tiny_model())
+    for variant in ONE_RANK_VARIANTS:
+        resolved = ds_config.resolve(cfg, model_config)
+        if variant == "gathered per layer":
+            resolved["zero_optimization"]["stage3_param_persistence_threshold"] = 10 * model_config.hidden_size
+        torch.manual_seed(0)
+        engine = initialize_engine(build_model(cfg, resolved, total_steps=10, zero3=Zero3Loading()), cfg, resolved, total_steps=10)
+        if variant != "kept gathered":
+            vars(engine.optimizer).pop("_partition_all_parameters", None)
+        released = []
+        offload = engine.optimizer.parameter_offload
+        offload.partition_all_parameters = lambda released=released, release=offload.partition_all_parameters: (
+            released.append(1) or release())
+        engine.train()
+        losses = [optimizer_step(engine, micro_batches(0), torch.device("cpu"))[0].item() for _ in range(3)]
+        params = list(engine.module.parameters())
+        aliased = all(p.data.data_ptr() == p.ds_tensor.data_ptr() for p in params)
+        with deepspeed.zero.GatheredParameters(params):
+            weights = {n: p.detach().float().clone() for n, p in engine.module.named_parameters() if p.requires_grad}
+        results[variant] = (resolved["zero_optimization"]["stage3_param_persistence_threshold"], len(released), aliased, losses, weights)
+        engine.destroy()
+
+
+@pytest.mark.slow
+def test_one_rank_zero3_keeps_every_parameter_gathered_and_trains_as_deepspeeds_own_release():
+    """On one rank each parameter is its own partition: zerolab keeps every one gathered, never
+    releases them around an optimizer step (each already reads its partition's memory, which the
+    step updates), and trains to the same losses and weights as DeepSpeed's release and gather around
+    every step and as gathering each layer around its use."""
+    from zerolab.ds_config import UNCAPPED
+
+    results = on_two_ranks(one_rank_worker, nprocs=1)
+    threshold, released, aliased, losses, weights = results["kept gathered"]
+    assert threshold == UNCAPPED and released == 0 and aliased
+    assert losses[2] < losses[0]  # the steps' updates reach the parameters the forward reads
+    assert results["DeepSpeed's release at each step"][1] == 3
+    assert results["gathered per layer"][0] < UNCAPPED
+    for variant in ONE_RANK_VARIANTS[1:]:
+        _, _, _, ref_losses, ref_weights = results[variant]
+        assert losses == pytest.approx(ref_losses, rel=1e-6), variant
+        assert weights.keys() == ref_weights.keys()
+        for n, w in ref_weights.items():
+            torch.testing.assert_close(weights[n], w, rtol=0, atol=1e-6, msg=f"{variant}: {n}")
+
+
 def compile_worker(rank: int, gradient_checkpointing: bool, port: int, results: dict) -> None:
     join_group(rank, port)
 
@@ -447,17 +512,23 @@ def test_stale_build_locks_are_removed_and_live_ones_kept(tmp_path, monkeypatch)
 
 def test_a_cpu_process_group_builds_no_inference_only_deepspeed_op(tmp_path):
     """A CPU job's process group forms without compiling DeepSpeed's shared-memory all-reduce, which
-    only DeepSpeed's inference calls (it cost ~30 s at the first job of every machine)."""
+    only DeepSpeed's inference calls (it cost ~30 s at the first job of every machine), and DeepSpeed
+    then counts the node's ranks from LOCAL_SIZE, as under its own launcher, instead of running
+    ``numactl`` in a subprocess each time ZeRO-3 reduces a gradient bucket."""
     import subprocess
     import sys
 
-    code = ("import deepspeed.comm.comm as c\n"
+    code = ("import deepspeed.comm.comm as c, deepspeed.utils.numa as numa\n"
+            "from deepspeed.accelerator import get_accelerator\n"
             "from zerolab.ds_runtime import init_distributed\n"
             "init_distributed('gloo', auto_mpi_discovery=False)\n"
-            "assert c.cdb.shm_comm_op is None, c.cdb.shm_comm_op\n")
+            "assert c.cdb.shm_comm_op is None, c.cdb.shm_comm_op\n"
+            "def no_subprocess(): raise AssertionError('numactl asked')\n"
+            "numa.get_numa_cores = no_subprocess\n"
+            "assert get_accelerator().device_count() == 3\n")
     extensions = tmp_path / "extensions"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(extensions), "RANK": "0", "LOCAL_RANK": "0",
-           "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+           "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert not list(extensions.rglob("*shm*"))

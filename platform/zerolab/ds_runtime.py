@@ -31,7 +31,11 @@ def init_distributed(backend: str, **kwargs: Any) -> None:
     Only an accelerator with a builder for it (DeepSpeed's CPU accelerator) would build it, and the
     mark is made there alone: DeepSpeed fills the table of compatible ops on its first read, probing
     every op builder (compilers, the GPUs; 0.5 s of an H100 host's start-up), and on CUDA nothing
-    else reads it."""
+    else reads it.
+
+    On the CPU accelerator ``LOCAL_SIZE`` is set to the node's number of ranks, as DeepSpeed's own
+    launcher sets it: without it the accelerator counts its devices by running ``numactl`` in a
+    subprocess, which ZeRO-3 asks twice per gradient bucket (a tenth of a one-rank CPU step)."""
     from zerolab.lean_imports import import_deepspeed  # here: importing it loads transformers
 
     import_deepspeed()  # a worker's first import of DeepSpeed
@@ -41,6 +45,8 @@ def init_distributed(backend: str, **kwargs: Any) -> None:
 
     if get_accelerator().get_op_builder(SHM_COMM_BUILDER) is not None:
         deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
+    if get_accelerator().device_name() == "cpu":
+        os.environ["LOCAL_SIZE"] = os.environ.get("LOCAL_WORLD_SIZE", "1")
     deepspeed.init_distributed(dist_backend=backend, **kwargs)
 
 
