@@ -307,11 +307,12 @@ def test_zero3_leaf_layers_train_as_per_module_zero3_and_zero2(method, gradient_
 ONE_RANK_VARIANTS = ("kept gathered", "DeepSpeed's release at each step", "gathered per layer")
 
 
-def one_rank_worker(rank: int, port: int, results: dict) -> None:
-    """ZeRO-3 LoRA on one rank, leaf layers, three steps: as zerolab builds it (every parameter
-    persistent, kept gathered across the optimizer step), with DeepSpeed's own release and gather
-    around each step, and with the persistence threshold of several ranks (each layer's weights
-    gathered and released around it)."""
+def one_rank_worker(rank: int, checkpoints: str, port: int, results: dict) -> None:
+    """ZeRO-3 LoRA on one rank, leaf layers: as zerolab builds it (every parameter persistent, kept
+    gathered across the optimizer step), with DeepSpeed's own release and gather around each step,
+    and with the persistence threshold of several ranks (each layer's weights gathered and released
+    around it). Two steps, a checkpoint as the jobs save it, a third step; then a new engine loads the
+    checkpoint and takes the third step again."""
     join_group(rank, port, world=1)
     import deepspeed
     from transformers import AutoConfig
@@ -325,45 +326,63 @@ def one_rank_worker(rank: int, port: int, results: dict) -> None:
     cfg = load_config(None, ["deepspeed.stage=3", "scaling.num_workers=1", "adapter.dropout=0", "train.micro_batch_size=2",
                              f"train.grad_accum_steps={ACCUM}", "train.lr=1e-2", "train.warmup_ratio=0", "train.lr_scheduler=constant"])
     model_config = AutoConfig.from_pretrained(build_tiny_model())
-    for variant in ONE_RANK_VARIANTS:
+
+    def engine_of(variant: str, released: list) -> object:
         resolved = ds_config.resolve(cfg, model_config)
         if variant == "gathered per layer":
             resolved["zero_optimization"]["stage3_param_persistence_threshold"] = 10 * model_config.hidden_size
         torch.manual_seed(0)
         engine = initialize_engine(build_model(cfg, resolved, total_steps=10, zero3=Zero3Loading()), cfg, resolved, total_steps=10)
         if variant != "kept gathered":
-            vars(engine.optimizer).pop("_partition_all_parameters", None)
-        released = []
+            vars(engine.optimizer).pop("step", None)  # DeepSpeed's own step
         offload = engine.optimizer.parameter_offload
-        offload.partition_all_parameters = lambda released=released, release=offload.partition_all_parameters: (
-            released.append(1) or release())
+        offload.partition_all_parameters = lambda release=offload.partition_all_parameters: released.append(1) or release()
         engine.train()
-        losses = [optimizer_step(engine, micro_batches(0), torch.device("cpu"))[0].item() for _ in range(3)]
+        return engine, resolved
+
+    def step(engine) -> float:
+        return optimizer_step(engine, micro_batches(0), torch.device("cpu"))[0].item()
+
+    for variant in ONE_RANK_VARIANTS:
+        released = []
+        engine, resolved = engine_of(variant, released)
+        losses = [step(engine), step(engine)]
+        in_steps = len(released)
+        folder = f"{checkpoints}/{len(results)}"
+        engine.save_checkpoint(folder, tag="state", exclude_frozen_parameters=True)
+        losses.append(step(engine))
         params = list(engine.module.parameters())
         aliased = all(p.data.data_ptr() == p.ds_tensor.data_ptr() for p in params)
         with deepspeed.zero.GatheredParameters(params):
             weights = {n: p.detach().float().clone() for n, p in engine.module.named_parameters() if p.requires_grad}
-        results[variant] = (resolved["zero_optimization"]["stage3_param_persistence_threshold"], len(released), aliased, losses, weights)
         engine.destroy()
+        resumed, _ = engine_of(variant, [])
+        resumed.load_checkpoint(folder, tag="state", load_module_strict=False)
+        threshold = resolved["zero_optimization"]["stage3_param_persistence_threshold"]
+        results[variant] = (threshold, in_steps, aliased, losses, step(resumed), weights)
+        resumed.destroy()
 
 
 @pytest.mark.slow
-def test_one_rank_zero3_keeps_every_parameter_gathered_and_trains_as_deepspeeds_own_release():
+def test_one_rank_zero3_keeps_every_parameter_gathered_and_trains_as_deepspeeds_own_release(tmp_path):
     """On one rank each parameter is its own partition: zerolab keeps every one gathered, never
     releases them around an optimizer step (each already reads its partition's memory, which the
     step updates), and trains to the same losses and weights as DeepSpeed's release and gather around
-    every step and as gathering each layer around its use."""
+    every step and as gathering each layer around its use; a checkpoint saved and loaded between
+    steps resumes to the same loss."""
     from zerolab.ds_config import UNCAPPED
 
-    results = on_two_ranks(one_rank_worker, nprocs=1)
-    threshold, released, aliased, losses, weights = results["kept gathered"]
-    assert threshold == UNCAPPED and released == 0 and aliased
+    results = on_two_ranks(one_rank_worker, str(tmp_path), nprocs=1)
+    threshold, in_steps, aliased, losses, resumed, weights = results["kept gathered"]
+    assert threshold == UNCAPPED and in_steps == 0 and aliased
     assert losses[2] < losses[0]  # the steps' updates reach the parameters the forward reads
-    assert results["DeepSpeed's release at each step"][1] == 3
+    assert resumed == pytest.approx(losses[2], rel=1e-6)
+    assert results["DeepSpeed's release at each step"][1] == 2
     assert results["gathered per layer"][0] < UNCAPPED
     for variant in ONE_RANK_VARIANTS[1:]:
-        _, _, _, ref_losses, ref_weights = results[variant]
+        _, _, _, ref_losses, ref_resumed, ref_weights = results[variant]
         assert losses == pytest.approx(ref_losses, rel=1e-6), variant
+        assert resumed == pytest.approx(ref_resumed, rel=1e-6), variant
         assert weights.keys() == ref_weights.keys()
         for n, w in ref_weights.items():
             torch.testing.assert_close(weights[n], w, rtol=0, atol=1e-6, msg=f"{variant}: {n}")

@@ -268,25 +268,32 @@ def keep_one_rank_zero3_gathered(optimizer: Any) -> None:
     the parameter's tensor swapped for an empty one, a stream recorded for each) and after it
     gathers the persistent ones again, which on one rank points each parameter back at its
     partition (``NoGatherHandle``): some 1,500 parameter swaps per 7B LoRA step, host time the GPU
-    waits for, that end where they began. Where every parameter is gathered and its tensor is its
-    partition's memory, which the step updates in place, the release is skipped (the active-module
-    marks it would clear are cleared), and the gather then finds nothing to do. Should any
-    parameter not be both, the release goes DeepSpeed's own way, for the step and for the other
-    callers (checkpoints)."""
+    waits for, that end where they began. During the step, where every parameter is gathered and its
+    tensor is its partition's memory, which the step updates in place, the release is skipped (the
+    active-module marks it would clear are cleared), and the gather then finds nothing to do; should
+    any parameter not be both, the step releases them as DeepSpeed does. Checkpoints are saved and
+    loaded from released parameters, as DeepSpeed writes them: only the step skips."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    release_all = optimizer._partition_all_parameters
+    step = optimizer.step
     params = list(optimizer.module.parameters())
 
-    def partition_all_parameters() -> None:
+    def keep_gathered() -> None:
         if not all(p.ds_status == ZeroParamStatus.AVAILABLE and p.data.data_ptr() == p.ds_tensor.data_ptr()
                    for p in params):
-            release_all()
+            type(optimizer)._partition_all_parameters(optimizer)
             return
         for p in params:
             p.ds_active_sub_modules.clear()
 
-    optimizer._partition_all_parameters = partition_all_parameters
+    def step_keeping_gathered(*args: Any, **kwargs: Any) -> Any:
+        optimizer._partition_all_parameters = keep_gathered
+        try:
+            return step(*args, **kwargs)
+        finally:
+            del optimizer._partition_all_parameters
+
+    optimizer.step = step_keeping_gathered
 
 
 def make_zero3_leaf_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
