@@ -169,7 +169,8 @@ def build_estimate(job: EstimateContext) -> Estimate:
                          f"of the row (its S×S mask and scores); model.attn_implementation=varlen (packed rows, on GPUs) or "
                          f"flash_attention_2 keeps attention memory linear in the row's length")
     if job.stage == 3 and job.n == 1 and not job.offload_param:
-        job.notes.append("ZeRO-3 on one GPU partitions nothing: it holds what ZeRO-0 holds and adds gathering overhead")
+        job.notes.append("ZeRO-3 on one GPU partitions nothing: it holds what ZeRO-0 holds, every parameter kept gathered, "
+                         "and adds DeepSpeed's per-module hooks (ZeRO-2 is faster there)")
     pools = stream_pools(job, phases)
     if job.stage == 3 and pools and sum(pools.values()) > max(phases.values()) * job.cal.reserved_factor_zero3:
         job.notes.append(f"ZeRO-3: reserved counts the gathered weights' own allocator pool ({pools['all-gather stream'] / GIB:.1f} GiB, "
