@@ -327,7 +327,7 @@ def one_rank_worker(rank: int, checkpoints: str, port: int, results: dict) -> No
                              f"train.grad_accum_steps={ACCUM}", "train.lr=1e-2", "train.warmup_ratio=0", "train.lr_scheduler=constant"])
     model_config = AutoConfig.from_pretrained(build_tiny_model())
 
-    def engine_of(variant: str, released: list) -> object:
+    def engine_of(variant: str, released: list) -> tuple:
         resolved = ds_config.resolve(cfg, model_config)
         if variant == "gathered per layer":
             resolved["zero_optimization"]["stage3_param_persistence_threshold"] = 10 * model_config.hidden_size
@@ -343,12 +343,12 @@ def one_rank_worker(rank: int, checkpoints: str, port: int, results: dict) -> No
     def step(engine) -> float:
         return optimizer_step(engine, micro_batches(0), torch.device("cpu"))[0].item()
 
-    for variant in ONE_RANK_VARIANTS:
+    for i, variant in enumerate(ONE_RANK_VARIANTS):
         released = []
         engine, resolved = engine_of(variant, released)
         losses = [step(engine), step(engine)]
         in_steps = len(released)
-        folder = f"{checkpoints}/{len(results)}"
+        folder = f"{checkpoints}/{i}"
         engine.save_checkpoint(folder, tag="state", exclude_frozen_parameters=True)
         losses.append(step(engine))
         params = list(engine.module.parameters())
