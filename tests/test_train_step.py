@@ -2,8 +2,9 @@
 applies the token mean gradient over every micro-batch of both ranks whatever the ZeRO stage, and
 reports that gradient's norm under ZeRO-0; AdamW's first bf16 step is a full step on every stage;
 the fused loss reads ZeRO-3's partitioned head; ZeRO-3 with the decoder layers as leaf modules
-trains as per-module ZeRO-3 and ZeRO-2 do and gathers each layer in one collective; leftovers of
-interrupted op builds are cleared."""
+trains as per-module ZeRO-3 and ZeRO-2 do and gathers each layer in one collective; ZeRO-3 on one
+rank keeps every parameter gathered and trains and resumes as DeepSpeed's own release does; leftovers
+of interrupted op builds are cleared."""
 
 from __future__ import annotations
 
