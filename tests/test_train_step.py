@@ -364,7 +364,6 @@ def one_rank_worker(rank: int, checkpoints: str, port: int, results: dict) -> No
         resumed.destroy()
 
 
-@pytest.mark.slow
 def test_one_rank_zero3_keeps_every_parameter_gathered_and_trains_as_deepspeeds_own_release(tmp_path):
     """On one rank each parameter is its own partition: zerolab keeps every one gathered, never
     releases them around an optimizer step (each already reads its partition's memory, which the
