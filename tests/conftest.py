@@ -151,18 +151,23 @@ def free_port() -> int:
     raise RuntimeError(f"no free loopback port in 20000-{low - 1}")
 
 
-def on_two_ranks(target, *args: object, nprocs: int = 2) -> dict:
-    """Run ``target(rank, *args, port, results)`` on two spawned ranks (a world of two on a free port;
-    ``nprocs`` other sizes); returns what they put in ``results``. The results' manager process is
-    spawned too, never forked: a fork of a process connected to Ray (a pytest worker whose earlier test
-    started it) leaves that process deaf to its GCS subscription, so the next Ray Train job of the
-    worker never hears that its controller started and waits for ever."""
+def on_ranks(nprocs: int, target, *args: object) -> dict:
+    """Run ``target(rank, *args, port, results)`` on ``nprocs`` spawned ranks (a world on a free port);
+    returns what they put in ``results``. The results' manager process is spawned too, never forked: a
+    fork of a process connected to Ray (a pytest worker whose earlier test started it) leaves that
+    process deaf to its GCS subscription, so the next Ray Train job of the worker never hears that its
+    controller started and waits for ever."""
     import torch.multiprocessing as mp
 
     with mp.get_context("spawn").Manager() as manager:
         results = manager.dict()
         mp.spawn(target, args=(*args, free_port(), results), nprocs=nprocs)
         return dict(results)
+
+
+def on_two_ranks(target, *args: object) -> dict:
+    """:func:`on_ranks` with a world of two."""
+    return on_ranks(2, target, *args)
 
 
 def rows_of(lengths, seed=0):

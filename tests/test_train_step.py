@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from conftest import free_port, on_two_ranks, rows_of, step_gradients
+from conftest import free_port, on_ranks, on_two_ranks, rows_of, step_gradients
 
 ACCUM = 2
 
@@ -44,7 +44,7 @@ def reference_gradient() -> tuple[dict[str, torch.Tensor], float]:
 
 
 def join_group(rank: int, port: int, world: int = 2) -> None:
-    """Join a two-rank (``world``) gloo process group on this machine's CPU as the jobs form it
+    """Join a gloo process group of ``world`` ranks on this machine's CPU as the jobs form it
     (``zerolab.ds_runtime.init_distributed``)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
@@ -372,13 +372,14 @@ def test_one_rank_zero3_keeps_every_parameter_gathered_and_trains_as_deepspeeds_
     steps resumes to the same loss."""
     from zerolab.ds_config import UNCAPPED
 
-    results = on_two_ranks(one_rank_worker, str(tmp_path), nprocs=1)
+    results = on_ranks(1, one_rank_worker, str(tmp_path))
     threshold, in_steps, aliased, losses, resumed, weights = results["kept gathered"]
     assert threshold == UNCAPPED and in_steps == 0 and aliased
     assert losses[2] < losses[0]  # the steps' updates reach the parameters the forward reads
     assert resumed == pytest.approx(losses[2], rel=1e-6)
     assert results["DeepSpeed's release at each step"][1] == 2
-    assert results["gathered per layer"][0] < UNCAPPED
+    # Not every parameter persistent: DeepSpeed's own step, released before each.
+    assert results["gathered per layer"][0] < UNCAPPED and results["gathered per layer"][1] == 2
     for variant in ONE_RANK_VARIANTS[1:]:
         _, _, _, ref_losses, ref_resumed, ref_weights = results[variant]
         assert losses == pytest.approx(ref_losses, rel=1e-6), variant

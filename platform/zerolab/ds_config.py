@@ -210,8 +210,8 @@ def whole_partition_persists(cfg: SFTConfig, ds_config: dict[str, Any]) -> bool:
     weight's release, and the checks around them, ~1,800 calls a step for a 7B LoRA. Persistent
     parameters are never released between layers, in the same memory: the parameter and its
     partition are one tensor (and :func:`zerolab.engine.keep_one_rank_zero3_gathered` keeps them so
-    across the optimizer step). On one H200 at one packed 4k row this took ZeRO-3 from 68% to 86% of
-    ZeRO-2's tokens/s (docs/benchmark.md). With ``offload_param`` persistence would keep on the
+    across the optimizer step). On one H200 at one packed 4k row this took ZeRO-3 from 62-68% to
+    80-86% of ZeRO-2's tokens/s (docs/benchmark.md). With ``offload_param`` persistence would keep on the
     device what the offload moves to the host, so it stays off there."""
     zero = ds_config.get("zero_optimization", {})
     return (zero.get("stage") == 3 and cfg.world_size() == 1

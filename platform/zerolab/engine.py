@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from zerolab import adapters, kernels, long_rows, lora_nodes
 from zerolab.config import SFTConfig
-from zerolab.ds_config import UNCAPPED
 from zerolab.models import decoder_layers, load_model, load_model_config
 from zerolab.sequence_parallel import UlyssesAttention
 from zerolab.worker_log import log_rank0
@@ -154,8 +153,7 @@ def initialize_engine(model: torch.nn.Module, cfg: SFTConfig, ds_config: dict, t
         engine.optimizer.optimizer.state.clear()
     if batch_zero_step_checks(engine.optimizer) or batch_zero3_grad_norm(engine.optimizer):
         log_rank0("ZeRO-%d: the step's gradient checks in one multi-tensor norm", ds_config["zero_optimization"]["stage"])
-    if zero3 and ds_config["zero_optimization"].get("stage3_param_persistence_threshold") == UNCAPPED:
-        keep_one_rank_zero3_gathered(engine.optimizer)
+    if zero3 and keep_one_rank_zero3_gathered(engine.optimizer):
         log_rank0("ZeRO-3 on one rank: every parameter stays gathered in its partition's memory, across the "
                   "optimizer step too (zerolab.ds_config.whole_partition_persists)")
     return engine
@@ -260,9 +258,10 @@ def batch_zero3_grad_norm(optimizer: Any) -> bool:
     return True
 
 
-def keep_one_rank_zero3_gathered(optimizer: Any) -> None:
+def keep_one_rank_zero3_gathered(optimizer: Any) -> bool:
     """Leave ZeRO-3's parameters gathered across the optimizer step where each already is its own
-    partition: one rank whose every parameter persists (:func:`zerolab.ds_config.whole_partition_persists`).
+    partition: one rank whose every parameter persists (:func:`zerolab.ds_config.whole_partition_persists`);
+    returns whether it applied.
 
     Before each step DeepSpeed's ZeRO-3 optimizer releases every parameter (``_partition_all_parameters``:
     the parameter's tensor swapped for an empty one, a stream recorded for each) and after it
@@ -275,8 +274,10 @@ def keep_one_rank_zero3_gathered(optimizer: Any) -> None:
     loaded from released parameters, as DeepSpeed writes them: only the step skips."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    step = optimizer.step
     params = list(optimizer.module.parameters())
+    if optimizer.partition_count != 1 or not all(p.ds_persist for p in params):
+        return False
+    step = optimizer.step
 
     def keep_gathered() -> None:
         if not all(p.ds_status == ZeroParamStatus.AVAILABLE and p.data.data_ptr() == p.ds_tensor.data_ptr()
@@ -294,6 +295,7 @@ def keep_one_rank_zero3_gathered(optimizer: Any) -> None:
             del optimizer._partition_all_parameters
 
     optimizer.step = step_keeping_gathered
+    return True
 
 
 def make_zero3_leaf_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
