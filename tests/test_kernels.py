@@ -10,6 +10,8 @@ random-init Qwen2 in bf16: every fused path's loss and gradients against the pla
 
 from __future__ import annotations
 
+import collections
+
 import sys
 import types
 
@@ -306,6 +308,7 @@ def test_fused_lora_forward_gives_peft_outputs_and_gradients(request, method, dt
         if fuse:
             assert lora_nodes.fuse_lora(model) > 0
             fused_mlps = method != "dora" and dropout == 0
+            assert lora_nodes.fuse_shared_inputs(model) == (2 * model.config.num_hidden_layers if fused_mlps else 0)
             assert lora_nodes.fuse_swiglu_down(model) == (model.config.num_hidden_layers if fused_mlps else 0)
         torch.manual_seed(1)  # the same dropout masks
         return loss_and_grads(model, inputs)
@@ -318,6 +321,68 @@ def test_fused_lora_forward_gives_peft_outputs_and_gradients(request, method, dt
     # differed by 8.6% on an AVX2 machine): each is held to the fp32 computation of the same weights,
     # the fused path no further from it than peft's own (with slack), or within 4%.
     assert_as_close_as_peft(run(True), run(False), run(False, torch.float32), {"loss": 4e-3, "grads": 4e-2, "grad": 4e-2})
+
+
+def _graph_nodes(out: torch.Tensor) -> collections.Counter:
+    """The autograd graph behind ``out``, by node type."""
+    seen, stack = set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            stack.extend(n for n, _ in node.next_functions)
+    return collections.Counter(type(node).__name__ for node in seen)
+
+
+def test_projections_that_share_an_input_are_one_node(tiny_model_path):
+    """Q/K/V and gate/up as one node each (``fuse_shared_inputs``) against each projection its own
+    node, on the same weights and batch: the same loss and gradients (float32), one node for Q/K/V
+    and one for gate/up where each projection had its own; with adapters on Q and V only, the two as one node
+    around K's plain product, and up alone its own node. A sibling called with another tensor than the one its
+    output was computed for computes its own: the outputs are peft's for their own inputs, and
+    nothing stays kept once each sibling has taken its output."""
+    from zerolab.adapters import apply_adapter
+    from zerolab.config import AdapterSpec
+
+    inputs = {"input_ids": torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(0))}
+    inputs["labels"] = inputs["input_ids"]
+
+    def build(shared: bool, **spec: object) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = apply_adapter(load_model(ModelSpec(), torch.float32), AdapterSpec(method="lora", r=4, alpha=8, dropout=0.0, **spec), 10)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(std=0.05)
+        lora_nodes.fuse_lora(model)
+        if shared:
+            lora_nodes.fuse_shared_inputs(model)
+        lora_nodes.fuse_swiglu_down(model)
+        return model
+
+    layers = build(False).config.num_hidden_layers
+    for targets, groups, single in ((None, 2, 1), (("q_proj", "v_proj", "up_proj"), 1, 1)):
+        spec = {"target_modules": targets} if targets else {}
+        model, ref = build(True, **spec), build(False, **spec)
+        assert sum("zerolab_siblings" in m.__dict__ for m in model.modules()) == (3 + 2 if groups == 2 else 2) * layers
+        assert_same_loss_and_grads(loss_and_grads(model, inputs), loss_and_grads(ref, inputs), FP32_TOL)
+        nodes, ref_nodes = (_graph_nodes(m(**inputs).loss) for m in (model, ref))
+        assert nodes["_SharedInputLoRABackward"] == groups * layers and not ref_nodes["_SharedInputLoRABackward"]
+        assert nodes["_LoRALinearBackward"] == single * layers  # o_proj; up_proj alone in its MLP
+        assert ref_nodes["_LoRALinearBackward"] == (6 if targets is None else 3) * layers
+
+    attn = model.get_submodule("base_model.model.model.layers.0.self_attn")
+    siblings = attn.q_proj.__dict__["zerolab_siblings"]
+    x, other = torch.randn(2, 5, model.config.hidden_size), torch.randn(2, 5, model.config.hidden_size)
+    with torch.no_grad():
+        got = [attn.q_proj(x), attn.k_proj(other), attn.v_proj(x), attn.q_proj(x)]
+        assert siblings.kept is not None  # k_proj's call kept q's and v's outputs for ``other``
+        got += [attn.v_proj(other), attn.k_proj(x), attn.q_proj(x), attn.v_proj(x)]
+        expected = [type(layer).forward(layer, t) for layer, t in zip([attn.q_proj, attn.k_proj, attn.v_proj, attn.q_proj, attn.v_proj,
+                                                                       attn.k_proj, attn.q_proj, attn.v_proj], [x, other, x, x, other, x, x, x])]
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+    assert siblings.kept is None
 
 
 def test_the_swiglu_down_node_keeps_the_gate_and_up_outputs_only(tiny_model_path):
@@ -516,7 +581,8 @@ def _adapted(spec: ModelSpec, method: str, device: str, *, fp8: bool) -> torch.n
             if "lora_B" in name:
                 p.normal_(std=0.05)
     lora_nodes.fuse_lora(model)
-    lora_nodes.fuse_swiglu_down(model)  # as the job does: down's FP8 product inside the SwiGLU-down node
+    lora_nodes.fuse_shared_inputs(model)  # as the job does: Q/K/V's and gate/up's FP8 products in their shared node
+    lora_nodes.fuse_swiglu_down(model)  # and down's inside the SwiGLU-down node
     if fp8:  # every projection: the test models' are narrower than model.fp8_min_features
         if device == "cuda":
             assert kernels.fp8_unavailable_reason(torch.device(device)) is None

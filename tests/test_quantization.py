@@ -134,7 +134,8 @@ def test_the_zero3_product_computes_what_bitsandbytes_does_and_caches_nothing(ki
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
 def test_fused_lora_on_a_quantized_base_gives_peft_loss_and_gradients(kind, device, tiny_model_path):
     """The fused LoRA forward on an nf4 or int8 base (one autograd node per projection:
-    bitsandbytes' product, the adapter's and their sum; SwiGLU with down's as one) against peft's
+    bitsandbytes' product, the adapter's and their sum; Q/K/V as one, gate/up as one, SwiGLU with
+    down's as one) against peft's
     own on the same weights and rows: the loss and every adapter gradient; with dropout the layers
     keep peft's forward, to the bit."""
     from zerolab import lora_nodes
@@ -154,9 +155,10 @@ def test_fused_lora_on_a_quantized_base_gives_peft_loss_and_gradients(kind, devi
                     p.normal_(std=0.05)
         if fuse:
             assert lora_nodes.fuse_lora(model) == len(quantization.quantized_layers(model)) == 28
+            assert lora_nodes.fuse_shared_inputs(model) == (8 if dropout == 0 else 0)
             assert lora_nodes.fuse_swiglu_down(model) == (4 if dropout == 0 else 0)
         nodes: set[str] = set()
-        for name in ("self_attn.q_proj", "mlp"):
+        for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp"):
             model.get_submodule(f"base_model.model.model.layers.1.{name}").register_forward_hook(
                 lambda module, args, out: nodes.add(type(out.grad_fn.next_functions[0][0]).__name__))  # under the view to 3-D
         torch.manual_seed(1)  # the same dropout masks
@@ -165,7 +167,7 @@ def test_fused_lora_on_a_quantized_base_gives_peft_loss_and_gradients(kind, devi
         return loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}, nodes
 
     (loss, grads, nodes), (ref_loss, ref_grads, ref_nodes) = run(True), run(False)
-    assert nodes == {"_LoRALinearBackward", "_SwiGLULoRADownBackward"} and not ref_nodes & nodes
+    assert nodes == {"_SharedInputLoRABackward", "_LoRALinearBackward", "_SwiGLULoRADownBackward"} and not ref_nodes & nodes
     # bf16: peft rounds B's product, its scaling and the sum; addmm rounds once.
     assert abs(loss - ref_loss) / ref_loss < 4e-3
     assert grads.keys() == ref_grads.keys() and len(grads) == 2 * 28
@@ -221,6 +223,7 @@ def test_a_quantized_step_keeps_nothing_outside_autograds_saved_tensors(kind, dr
         model = apply_adapter(model, AdapterSpec(method="lora", r=4, alpha=8, dropout=dropout), 10).train()
         if ours:
             lora_nodes.fuse_lora(model)
+            lora_nodes.fuse_shared_inputs(model)
             keep_nothing_between_products(model)
         loss = model(input_ids=ids, labels=ids).loss
         seen, stack, holding = set(), [loss.grad_fn], 0

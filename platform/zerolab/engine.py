@@ -91,6 +91,9 @@ def build_model(cfg: SFTConfig, ds_config: dict, total_steps: int, *, zero3: Zer
     model = adapters.apply_adapter(model, cfg.adapter, total_steps)
     if cfg.model.kernels != "none":
         lora_nodes.fuse_lora(model)
+        groups = lora_nodes.fuse_shared_inputs(model)
+        if groups:
+            log_rank0("LoRA projections that share an input as one node: %d groups (Q/K/V, gate/up)", groups)
         mlps = lora_nodes.fuse_swiglu_down(model)
         if mlps:
             log_rank0("SwiGLU and down's LoRA as one node in %d MLPs (down's input recomputed in the backward)", mlps)

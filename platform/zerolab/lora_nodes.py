@@ -18,6 +18,11 @@ back to peft's forward where it does not apply.
   products, the scale and the sum), each a round of host work in a QLoRA step that the host
   already bounds (7B at one checkpointed 4k row: the GPU busy 380 of 612 ms). With FP8 base
   products (``zerolab.kernels.fp8_layers``) the node multiplies by the layer's e4m3 copy.
+- Sibling projections that read one input — Q/K/V, gate/up — as one node (:func:`fuse_shared_inputs`):
+  one product of the input with all their A matrices, one of their summed adapter gradients with
+  it, and their input gradients summed in place in one buffer, where each projection's node made
+  its own and autograd summed them (6 fewer products per attention, 3 per MLP, and the sums: 2·B·S×h
+  per attention, B·S×h per MLP, each a read and write of the input gradient).
 - SwiGLU with down's LoRA as one node (:func:`fuse_swiglu_down`). Down's adapter reads its input
   SiLU(gate)·up for its gradient, so the LoRA node kept that B·S×I tensor beside the gate and up
   outputs SwiGLU keeps; this node keeps gate and up only and recomputes the product in its
@@ -85,6 +90,11 @@ def _lora_addmm_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -
     defensive clone) to the scale and the add, and bitsandbytes' product is a node of its own,
     which keeps its input outside autograd's saved tensors (LLM.int8()'s also a copy of the
     input's outlier columns, ``zerolab.quantized_products``)."""
+    siblings = self.__dict__.get("zerolab_siblings")
+    if siblings is not None and not args and not kwargs:
+        out = siblings.output(self, x)
+        if out is not None:
+            return out
     if not _takes_fused_forward(self, x, args, kwargs):
         return type(self).forward(self, x, *args, **kwargs)
     flat = x.reshape(-1, x.shape[-1])
@@ -175,12 +185,16 @@ def _lora_product(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tens
     adapter's output in its epilogue at little cost, where the adapter's 16-wide product
     accumulating into the base output read and wrote the whole B·S×out tensor."""
     hs = (x @ lora_a.t()).mul_(scale)
+    return _base_plus_adapter(x, weight, bias, hs, lora_b, frozen), hs
+
+
+def _base_plus_adapter(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, hs: torch.Tensor,
+                       lora_b: torch.Tensor, frozen: Any) -> torch.Tensor:
+    """``x·Wᵀ + b + hs·Bᵀ`` for the scaled adapter activation ``hs``, the two products summed in one's epilogue."""
     if frozen is not None:
-        out = frozen.product(x, bias)
-        out.addmm_(hs, lora_b.t())
-        return out, hs
+        return frozen.product(x, bias).addmm_(hs, lora_b.t())
     out = hs @ lora_b.t() if bias is None else torch.addmm(bias, hs, lora_b.t())
-    return out.addmm_(x, weight.t()), hs
+    return out.addmm_(x, weight.t())
 
 
 def _lora_input_grad(grad: torch.Tensor, weight: torch.Tensor | None, grad_h: torch.Tensor, lora_a: torch.Tensor,
@@ -190,6 +204,116 @@ def _lora_input_grad(grad: torch.Tensor, weight: torch.Tensor | None, grad_h: to
     if frozen is not None:
         return frozen.input_grad(grad).addmm_(grad_h, lora_a)
     return (grad_h @ lora_a).addmm_(grad, weight)
+
+
+SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Projections of one module that read the same input: attention's Q/K/V, the MLP's gate and up."""
+
+
+def fuse_shared_inputs(model: torch.nn.Module) -> int:
+    """Make the plain LoRA layers without dropout of each module's :data:`SHARED_INPUT_GROUPS` that
+    take the fused forward (two or more of a group) siblings: the first of them called computes all of their outputs as one
+    autograd node (:class:`_SharedInputLoRA`) and keeps the others' for their own calls with the
+    same input; returns how many groups. Call after :func:`fuse_lora`.
+
+    The module's forward is not changed: Hugging Face's attention calls ``q_proj``, ``k_proj`` and
+    ``v_proj`` on one tensor, the MLP ``gate_proj`` and ``up_proj``, in whatever order. A sibling
+    called with another input than the kept outputs' (a model that feeds them different tensors)
+    drops them and computes its own; so does every sibling where the node does not apply (see
+    :meth:`_Siblings.output`), which then takes the one-layer node or peft's forward as before."""
+    count = 0
+    for module in model.modules():
+        for names in SHARED_INPUT_GROUPS:
+            layers = [getattr(module, name, None) for name in names]
+            layers = [layer for layer in layers if getattr(getattr(layer, "forward", None), "__func__", None) is _lora_addmm_forward
+                      and _plain_lora_without_dropout(layer)]
+            if len(layers) > 1:
+                siblings = _Siblings(layers)
+                for layer in layers:
+                    layer.__dict__["zerolab_siblings"] = siblings  # not a submodule: no state of its own
+                count += 1
+    return count
+
+
+class _Siblings:
+    """LoRA layers that read one input (:func:`fuse_shared_inputs`) and the outputs computed for
+    those of them not yet called: ``(input, {layer: output})``."""
+
+    def __init__(self, layers: list[Any]) -> None:
+        self.layers = layers
+        self.kept: tuple[torch.Tensor, dict[Any, torch.Tensor]] | None = None
+
+    def output(self, layer: Any, x: torch.Tensor) -> torch.Tensor | None:
+        """``layer``'s output for ``x``: kept from a sibling's call with this very tensor, or computed
+        with all the siblings' in one node; None where that node does not apply (inside a compiled
+        graph, any sibling that would not be a one-layer node, adapter scales that differ)."""
+        kept, self.kept = self.kept, None
+        if kept is not None and kept[0] is x and layer in kept[1]:
+            outputs = kept[1]
+            out = outputs.pop(layer)
+            if outputs:
+                self.kept = kept
+            return out
+        flat = x.reshape(-1, x.shape[-1])
+        operands = []
+        for sibling in self.layers:
+            ops = _one_node_operands(sibling, flat) if _takes_fused_forward(sibling, x) else None
+            if ops is None or (operands and ops[4] != operands[0][4]):
+                return None
+            operands.append(ops)
+        scale = operands[0][4]
+        flat_operands = [t for weight, bias, a, b, _, frozen in operands for t in (weight, bias, a, b, frozen)]
+        outs = _SharedInputLoRA.apply(flat, scale, *flat_operands)
+        outputs = {sibling: out.view(*x.shape[:-1], out.shape[-1]) for sibling, out in zip(self.layers, outs)}
+        out = outputs.pop(layer)
+        self.kept = (x, outputs)
+        return out
+
+
+class _SharedInputLoRA(torch.autograd.Function):
+    """``x·Wᵢᵀ + bᵢ + s·(x·Aᵢᵀ)·Bᵢᵀ`` for the frozen ``Wᵢ`` of sibling layers that read ``x`` (no
+    dropout, one scale ``s``) as one autograd node: one product of ``x`` with every ``Aᵢ`` stacked, and
+    in the backward one of the stacked adapter gradients with ``x`` (every ``Aᵢ``'s gradient, a row
+    block of it) and one with the stacked ``Aᵢ`` that starts the input gradient, onto which each
+    base product's input gradient accumulates in place. ``operands``: ``(W, b, A, B, frozen)`` per
+    layer, as :class:`_LoRALinear` takes them."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float, *operands: Any) -> tuple[torch.Tensor, ...]:
+        layers = [operands[i:i + 5] for i in range(0, len(operands), 5)]
+        a_all = torch.cat([a for _, _, a, _, _ in layers])
+        hs_all = (x @ a_all.t()).mul_(scale)
+        outs, start = [], 0
+        for weight, bias, a, b, frozen in layers:
+            outs.append(_base_plus_adapter(x, weight, bias, hs_all[:, start:start + a.shape[0]], b, frozen))
+            start += a.shape[0]
+        ctx.save_for_backward(x, a_all, hs_all, *[t for weight, _, _, b, _ in layers for t in (weight, b)])
+        ctx.scale, ctx.frozen, ctx.ranks = scale, [frozen for *_, frozen in layers], [a.shape[0] for _, _, a, _, _ in layers]
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, a_all, hs_all, *weights_and_bs = ctx.saved_tensors
+        weights, bs = weights_and_bs[0::2], weights_and_bs[1::2]
+        grad_h_all = torch.cat([g @ b for g, b in zip(grads, bs)], dim=1).mul_(ctx.scale)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            for g, frozen in zip(grads, ctx.frozen):
+                if frozen is not None:
+                    grad_x = frozen.input_grad(g) if grad_x is None else grad_x.add_(frozen.input_grad(g))
+            grad_x = grad_h_all @ a_all if grad_x is None else grad_x.addmm_(grad_h_all, a_all)
+            for g, weight, frozen in zip(grads, weights, ctx.frozen):
+                if frozen is None:
+                    grad_x.addmm_(g, weight)
+        grad_a_all = grad_h_all.t() @ x if any(ctx.needs_input_grad[4::5]) else None
+        result: list[torch.Tensor | None] = [grad_x, None]
+        start = 0
+        for i, (g, rank) in enumerate(zip(grads, ctx.ranks)):
+            grad_a = grad_a_all[start:start + rank] if ctx.needs_input_grad[4 + 5 * i] else None
+            grad_b = g.t() @ hs_all[:, start:start + rank] if ctx.needs_input_grad[5 + 5 * i] else None
+            result += [None, None, grad_a, grad_b, None]
+            start += rank
+        return tuple(result)
 
 
 def fuse_swiglu_down(model: torch.nn.Module) -> int:
@@ -341,4 +465,4 @@ def _triton_swiglu_kernels() -> Any:
     return _forward, _backward
 
 
-__all__ = ["fuse_lora", "fuse_swiglu_down", "fuses_swiglu_down", "swiglu", "swiglu_backward_"]
+__all__ = ["SHARED_INPUT_GROUPS", "fuse_lora", "fuse_shared_inputs", "fuse_swiglu_down", "fuses_swiglu_down", "swiglu", "swiglu_backward_"]
