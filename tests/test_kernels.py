@@ -11,7 +11,6 @@ random-init Qwen2 in bf16: every fused path's loss and gradients against the pla
 from __future__ import annotations
 
 import collections
-
 import sys
 import types
 
