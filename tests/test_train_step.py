@@ -244,15 +244,15 @@ def leaf_worker(rank: int, method: str, gradient_checkpointing: bool, port: int,
     join_group(rank, port)
     from zerolab import lora_nodes
 
-    fused = []
-    apply = lora_nodes._LoRALinear.apply
-    lora_nodes._LoRALinear.apply = staticmethod(lambda *args: fused.append(1) or apply(*args))  # counts the one-node LoRA products
+    fused: list[str] = []
+    for node in (lora_nodes._LoRALinear, lora_nodes._SharedInputLoRA):  # counts the one-node LoRA products by kind
+        node.apply = staticmethod(lambda *args, apply=node.apply, kind=node.__name__: fused.append(kind) or apply(*args))
     for name, (stage, leaf) in LEAF_VARIANTS.items():
         fused.clear()
         trained = train_variant(rank, stage, leaf, method, gradient_checkpointing)
         if rank == 0:
             results[name] = trained
-            results[name, "fused"] = len(fused)
+            results[name, "fused"] = set(fused)
 
 
 def train_variant(rank: int, stage: int, leaf: bool, method: str, gradient_checkpointing: bool, compiled: bool = False) -> tuple:
@@ -285,12 +285,14 @@ def test_zero3_leaf_layers_train_as_per_module_zero3_and_zero2(method, gradient_
     """Gradients of leaf parameters are reduced by one hook per layer after its backward pass; the
     first layer's input comes from frozen embeddings under LoRA, where that hook would fire before
     the layer's backward had produced them (the gradients then arrive after the reduction). LoRA
-    in leaf layers takes the one-node product, per-module ZeRO-3 peft's forward."""
+    in leaf layers takes the one-node products (Q/K/V and gate/up sharing theirs), per-module ZeRO-3
+    peft's forward."""
     results = on_two_ranks(leaf_worker, method, gradient_checkpointing)
     # LoRA's one-node product reads its weights directly: whole in a leaf layer, gathered module by
     # module (so not whole there) without.
     if method == "lora":
-        assert results["ZeRO-3 leaf layers", "fused"] > 0 and results["ZeRO-2", "fused"] > 0 and results["ZeRO-3", "fused"] == 0
+        both = {"_LoRALinear", "_SharedInputLoRA"}
+        assert results["ZeRO-3 leaf layers", "fused"] == results["ZeRO-2", "fused"] == both and not results["ZeRO-3", "fused"]
     losses, grads, weights = results["ZeRO-3 leaf layers"]
     layer0 = [n for n in grads if ".layers.0." in n]
     assert layer0 and len(grads) > len(layer0)
