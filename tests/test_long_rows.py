@@ -129,6 +129,33 @@ def test_offloaded_checkpoints_give_the_same_loss_and_gradients(tiny_model_path,
         hook.remove()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_restore_waits_for_the_compute_streams_queued_work():
+    """A restore's device memory comes from the compute stream's pool, which hands a block out again
+    as soon as the compute stream frees it, while kernels queued there before may still write it:
+    the side stream's copy into it starts after them. Here a fill queued behind a sleep writes the
+    very block the restore then gets; without the wait the copy lands first and the fill overwrites
+    it. Once before, untimed: a kernel's first launch loads it, which can wait for the whole device."""
+    from zerolab.long_rows import CheckpointOffload
+
+    sent = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    for _ in range(2):
+        offload = CheckpointOffload(2)
+        copy = offload._to_host(0, sent)
+        torch.cuda.synchronize()
+        busy = torch.empty_like(sent)
+        torch.cuda._sleep(500_000_000)  # holds the compute stream for a few hundred milliseconds
+        busy.fill_(-1.0)  # queued behind the sleep
+        block = busy.data_ptr()
+        del busy  # back in the pool at once, for the compute stream's next allocation
+        restored = offload._from_host(0, copy)
+        torch.cuda.synchronize()
+        assert restored.data_ptr() == block
+        assert torch.equal(restored, sent)
+        del restored
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_offloaded_layer_inputs_leave_the_device_until_the_backward_pass(tiny_model_path, device):
     """Between the forward and the backward pass nothing holds an offloaded layer's input but its

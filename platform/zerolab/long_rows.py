@@ -140,6 +140,9 @@ class CheckpointOffload:
             return
         stream = self._side_stream(copy.device)
         restored = torch.empty_like(copy.host, device=copy.device)
+        # The allocator hands out memory the compute stream has freed at once, for that stream's later
+        # work: kernels queued there before may still write it, so the copy starts after them.
+        stream.wait_stream(torch.cuda.current_stream(copy.device))
         restored.record_stream(stream)  # freed unused (a backward pass that stops early): wait for the copy
         with torch.cuda.stream(stream):
             stream.wait_event(copy.copied)
