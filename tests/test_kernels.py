@@ -337,9 +337,10 @@ def test_projections_that_share_an_input_are_one_node(tiny_model_path):
     """Q/K/V and gate/up as one node each (``fuse_shared_inputs``) against each projection its own
     node, on the same weights and batch: the same loss and gradients (float32), one node for Q/K/V
     and one for gate/up where each projection had its own; with adapters on Q and V only, the two as one node
-    around K's plain product, and up alone its own node. A sibling called with another tensor than the one its
-    output was computed for computes its own: the outputs are peft's for their own inputs, and
-    nothing stays kept once each sibling has taken its output."""
+    around K's plain product, and up alone its own node. A kept output goes only to a sibling called
+    with the very tensor it was computed from, unchanged; siblings fed different tensors each compute
+    their own until the module's forward ends, which drops what is kept, also when it fails. Every
+    output is peft's for its own input."""
     from zerolab.adapters import apply_adapter
     from zerolab.config import AdapterSpec
 
@@ -373,14 +374,27 @@ def test_projections_that_share_an_input_are_one_node(tiny_model_path):
     attn = model.get_submodule("base_model.model.model.layers.0.self_attn")
     siblings = attn.q_proj.__dict__["zerolab_siblings"]
     x, other = torch.randn(2, 5, model.config.hidden_size), torch.randn(2, 5, model.config.hidden_size)
+    calls = []
     with torch.no_grad():
-        got = [attn.q_proj(x), attn.k_proj(other), attn.v_proj(x), attn.q_proj(x)]
-        assert siblings.kept is not None  # k_proj's call kept q's and v's outputs for ``other``
-        got += [attn.v_proj(other), attn.k_proj(x), attn.q_proj(x), attn.v_proj(x)]
-        expected = [type(layer).forward(layer, t) for layer, t in zip([attn.q_proj, attn.k_proj, attn.v_proj, attn.q_proj, attn.v_proj,
-                                                                       attn.k_proj, attn.q_proj, attn.v_proj], [x, other, x, x, other, x, x, x])]
+        calls += [(attn.q_proj, x.clone()), (attn.k_proj, x.clone())]  # k takes the output q's call kept
+        got = [attn.q_proj(x), attn.k_proj(x)]
+        assert siblings.kept[2].keys() == {attn.v_proj}
+        x.mul_(2)  # changed in place since: v computes its own
+        calls += [(attn.v_proj, x), (attn.q_proj, x), (attn.k_proj, other), (attn.v_proj, x)]
+        got += [attn.v_proj(x), attn.q_proj(x), attn.k_proj(other), attn.v_proj(x)]
+        assert siblings.kept is lora_nodes._APART  # fed different tensors: each its own until the module's forward ends
+        attn.q_proj(x)
+        assert siblings.kept is lora_nodes._APART
+        expected = [type(layer).forward(layer, t) for layer, t in calls]
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+    # The module's forward drops what is kept, also when it fails.
+    model(**inputs)
+    assert all(s.kept is None for s in {m.__dict__["zerolab_siblings"] for m in model.modules() if "zerolab_siblings" in m.__dict__})
+    failing = attn.k_proj.register_forward_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("k_proj failed")))
+    with pytest.raises(RuntimeError, match="k_proj failed"):
+        model(**inputs)
+    failing.remove()
     assert siblings.kept is None
 
 

@@ -91,7 +91,7 @@ def build_model(cfg: SFTConfig, ds_config: dict, total_steps: int, *, zero3: Zer
     model = adapters.apply_adapter(model, cfg.adapter, total_steps)
     if cfg.model.kernels != "none":
         lora_nodes.fuse_lora(model)
-        groups = lora_nodes.fuse_shared_inputs(model)
+        groups = 0 if cfg.model.compile else lora_nodes.fuse_shared_inputs(model)  # compiled layers take the plain products
         if groups:
             log_rank0("LoRA projections that share an input as one node: %d groups (Q/K/V, gate/up)", groups)
         mlps = lora_nodes.fuse_swiglu_down(model)

@@ -218,10 +218,12 @@ def fuse_shared_inputs(model: torch.nn.Module) -> int:
     7B at two packed 4k rows on one H200: +2.1% (docs/benchmark.md).
 
     The module's forward is not changed: Hugging Face's attention calls ``q_proj``, ``k_proj`` and
-    ``v_proj`` on one tensor, the MLP ``gate_proj`` and ``up_proj``, in whatever order. A sibling
-    called with another input than the kept outputs' (a model that feeds them different tensors)
-    drops them and computes its own; so does every sibling where the node does not apply (see
-    :meth:`_Siblings.output`), which then takes the one-layer node or peft's forward as before."""
+    ``v_proj`` on one tensor, the MLP ``gate_proj`` and ``up_proj``, in whatever order. Kept outputs
+    go only to a sibling called with the very tensor they were computed from, unchanged since, and
+    are dropped when the module's forward ends or fails. Where a module feeds its siblings different
+    tensors, each sibling computes its own output for the rest of that forward; so does every sibling
+    where the node does not apply (see :meth:`_Siblings.output`), taking the one-layer node or peft's
+    forward as before."""
     count = 0
     for module in model.modules():
         for names in SHARED_INPUT_GROUPS:
@@ -232,29 +234,40 @@ def fuse_shared_inputs(model: torch.nn.Module) -> int:
                 siblings = _Siblings(layers)
                 for layer in layers:
                     layer.__dict__["zerolab_siblings"] = siblings  # not a submodule: no state of its own
+                module.register_forward_hook(siblings.reset, always_call=True)
                 count += 1
     return count
 
 
 class _Siblings:
-    """LoRA layers that read one input (:func:`fuse_shared_inputs`) and the outputs computed for
-    those of them not yet called: ``(input, {layer: output})``."""
+    """LoRA layers that read one input (:func:`fuse_shared_inputs`) and, within one forward of their
+    module, the outputs computed for those of them not yet called: ``(input, its version, {layer:
+    output})``, or :data:`_APART` once the module has fed them different tensors."""
 
     def __init__(self, layers: list[Any]) -> None:
         self.layers = layers
-        self.kept: tuple[torch.Tensor, dict[Any, torch.Tensor]] | None = None
+        self.kept: tuple[torch.Tensor, int, dict[Any, torch.Tensor]] | object | None = None
+
+    def reset(self, *_: Any) -> None:
+        """Drop what is kept (a forward hook of the siblings' module: after each of its forwards)."""
+        self.kept = None
 
     def output(self, layer: Any, x: torch.Tensor) -> torch.Tensor | None:
         """``layer``'s output for ``x``: kept from a sibling's call with this very tensor, or computed
         with all the siblings' in one node; None where that node does not apply (inside a compiled
-        graph, any sibling that would not be a one-layer node, adapter scales that differ)."""
-        kept, self.kept = self.kept, None
-        if kept is not None and kept[0] is x and layer in kept[1]:
-            outputs = kept[1]
-            out = outputs.pop(layer)
-            if outputs:
-                self.kept = kept
-            return out
+        graph, any sibling that would not be a one-layer node, adapter scales that differ) or where
+        the siblings of this forward read different tensors."""
+        kept = self.kept
+        if kept is _APART:
+            return None
+        if kept is not None:
+            if kept[0] is x and kept[1] == _version(x) and layer in kept[2]:
+                out = kept[2].pop(layer)
+                if not kept[2]:
+                    self.kept = None
+                return out
+            self.kept = _APART
+            return None
         flat = x.reshape(-1, x.shape[-1])
         operands = []
         for sibling in self.layers:
@@ -267,8 +280,17 @@ class _Siblings:
         outs = _SharedInputLoRA.apply(flat, scale, *flat_operands)
         outputs = {sibling: out.view(*x.shape[:-1], out.shape[-1]) for sibling, out in zip(self.layers, outs)}
         out = outputs.pop(layer)
-        self.kept = (x, outputs)
+        self.kept = (x, _version(x), outputs)
         return out
+
+
+def _version(t: torch.Tensor) -> int:
+    """``t``'s version counter (how many in-place changes it has had); an inference tensor has none."""
+    return -1 if t.is_inference() else t._version
+
+
+_APART = object()
+"""What :class:`_Siblings` keeps once its module has fed the siblings different tensors in one forward."""
 
 
 class _SharedInputLoRA(torch.autograd.Function):
