@@ -135,9 +135,8 @@ def test_the_zero3_product_computes_what_bitsandbytes_does_and_caches_nothing(ki
 def test_fused_lora_on_a_quantized_base_gives_peft_loss_and_gradients(kind, device, tiny_model_path):
     """The fused LoRA forward on an nf4 or int8 base (one autograd node per projection:
     bitsandbytes' product, the adapter's and their sum; Q/K/V as one, gate/up as one, SwiGLU with
-    down's as one) against peft's
-    own on the same weights and rows: the loss and every adapter gradient; with dropout the layers
-    keep peft's forward, to the bit."""
+    down's as one) against peft's own on the same weights and rows: the loss and every adapter
+    gradient; with dropout the layers keep peft's forward, to the bit."""
     from zerolab import lora_nodes
     from zerolab.adapters import apply_adapter
     from zerolab.config import AdapterSpec
