@@ -319,6 +319,12 @@ SUITES: dict[str, list[Run]] = {
     "zero2-profile-7b-mb2": [Run("zerolab-torchrun", "qwen2.5-7b", stage=2, micro_batch=2, steps=8, window=4, variant=f"{label}-mb2",
                                  profile_steps=2, timeout_s=240, overrides=(f"model.fp8={v}",))
                              for label, v in (("bf16", "false"), ("fp8", "true"))],
+    # zerolab's step and TRL's at the trl-7b suite's setting, profiled in one lease: the GPU's time by kind
+    # of kernel, the frozen weights' products apart from the adapters', and where each waits for its host.
+    "trl-profile-7b": [Run("zerolab-torchrun", "qwen2.5-7b", stage=2, micro_batch=2, steps=8, window=4, variant="profile-mb2",
+                           profile_steps=2, timeout_s=240),
+                       Run("trl", "qwen2.5-7b", micro_batch=2, steps=8, window=4, attn="auto", variant="profile-mb2",
+                           profile_steps=2, timeout_s=240)],
     # ZeRO-3's step on one GPU (no interconnect: what the hooks and gathers cost by themselves).
     "zero3-profile-7b": [Run("zerolab-torchrun", "qwen2.5-7b", stage=stage, steps=8, window=4, variant="mb1", profile_steps=2,
                              timeout_s=240) for stage in (2, 3)],

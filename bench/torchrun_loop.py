@@ -209,7 +209,8 @@ def zerolab_loop(args: argparse.Namespace, rows: list, device: torch.device, wor
 
 
 def _profile(step, n: int, report: bool = True) -> None:
-    """Print where ``n`` steps spend their time: GPU time by kernel (the 30 largest) and by kind,
+    """Print where ``n`` steps spend their time: GPU time by kernel (the 30 largest), by kind and in
+    the wide and narrow matrix products (:func:`print_product_time`),
     how much of the step the GPU computes, communicates or idles (NCCL overlapped with compute or
     not), the host's blocking CUDA calls; then, over ``n`` more steps with the GPU's activity alone
     recorded, where the GPU waits for the host (:func:`print_idle_gaps`); then, over ``n`` more
@@ -225,7 +226,7 @@ def _profile(step, n: int, report: bool = True) -> None:
 
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         wall_ms = _timed_steps(step, n)
     print_kernel_time(prof, n, wall_ms)
     _print_overlap(prof.events(), n)
@@ -268,6 +269,37 @@ def print_kernel_time(prof, n: int, wall_ms: float) -> None:
         print(f"PROFILE   {kind:22s} {100 * t / total:5.1f}%  {t / 1e3 / n:8.1f} ms/step")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:30]:
         print(f"PROFILE   {100 * e.self_device_time_total / total:5.1f}%  {e.count // n:5d}/step  {e.key[:110]}")
+    print_product_time(prof, n)
+
+
+PRODUCTS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm")
+"""The operators that launch the matrix-product kernels themselves (``matmul`` and ``linear`` call these)."""
+
+NARROW = 128
+"""A product with a matrix side under this many is an adapter's (LoRA's rank, or a few ranks stacked)."""
+
+
+def product_kind(shapes: list[list[int]]) -> str | None:
+    """``narrow`` for a product with a matrix side under :data:`NARROW` (an adapter's), else ``wide``
+    (a frozen weight's); ``None`` for no matrix operand. ``shapes``: an operator's input shapes
+    (a profile's ``record_shapes``), scalars and biases among them."""
+    sides = [d for shape in shapes if len(shape) >= 2 for d in shape[-2:]]
+    return None if not sides else "narrow" if min(sides) < NARROW else "wide"
+
+
+def print_product_time(prof, n: int) -> None:
+    """The GPU's time per step in the matrix products split by their shapes (:func:`product_kind`):
+    the frozen weights' wide products against the adapters' narrow ones. Needs a profile that
+    recorded shapes; the time is each operator's own kernels'."""
+    by_kind: dict[str, list[float]] = {}
+    for e in prof.key_averages(group_by_input_shape=True):
+        kind = product_kind(e.input_shapes) if e.key in PRODUCTS else None
+        if kind:
+            t = by_kind.setdefault(kind, [0.0, 0])
+            t[0] += e.self_device_time_total
+            t[1] += e.count
+    for kind, (t, count) in sorted(by_kind.items()):
+        print(f"PROFILE products {kind:6s} {count // n:6d}/step  {t / 1e3 / n:8.1f} ms/step")
 
 
 def _timed_steps(step, n: int) -> float:

@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             if state.global_step in (args.steps, args.steps + self.n):
                 activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if state.global_step == args.steps else [])
                 torch.cuda.synchronize()
-                self.prof, self.start = profile(activities=activities).__enter__(), time.perf_counter()
+                self.prof, self.start = profile(activities=activities, record_shapes=True).__enter__(), time.perf_counter()
 
         def on_step_end(self, args_, state, control, **kwargs):  # type: ignore[override]
             from bench.torchrun_loop import print_idle_gaps, print_kernel_time

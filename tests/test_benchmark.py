@@ -143,3 +143,23 @@ def test_the_segment_report_finds_the_hole_a_request_did_not_fit(monkeypatch):
     # A block freed while another stream's queued work may use it stays held until that work is done.
     pending = {**snapshot, "device_traces": [[*trace, ev("free_requested", 1000, 10, stream=7), ev("alloc", 1010, 15, stream=7)]]}
     assert "stream 0x7: peak held 0.024 GiB (of which freed, the GPU's use of it still pending: 0.010)" in segment_report(pending)
+
+
+def test_a_profile_tells_the_adapters_products_from_the_frozen_weights(monkeypatch):
+    """The profile's product split (bench/torchrun_loop.py) on a LoRA layer's forward and backward,
+    from the shapes a profile records: the frozen weight's two products are wide, the adapter's six
+    narrow (a side of its rank)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.syspath_prepend(str(REPO))
+    from bench.torchrun_loop import PRODUCTS, product_kind
+
+    x = torch.randn(256, 256, requires_grad=True)
+    weight, a, b = torch.randn(512, 256), torch.randn(16, 256, requires_grad=True), torch.randn(512, 16, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        ((x @ a.t()) @ b.t()).addmm_(x, weight.t()).sum().backward()
+    kinds = [product_kind(e.input_shapes) for e in prof.key_averages(group_by_input_shape=True) for _ in range(e.count)
+             if e.key in PRODUCTS]
+    assert sorted(kinds) == ["narrow"] * 6 + ["wide"] * 2
+    assert product_kind([[512], [], []]) is None
