@@ -21,8 +21,9 @@ back to peft's forward where it does not apply.
 - Sibling projections that read one input — Q/K/V, gate/up — as one node (:func:`fuse_shared_inputs`):
   one product of the input with all their A matrices, one of their stacked adapter gradients with
   it for every A's gradient, and their input gradients summed in place in one buffer, where each
-  projection's node made its own and autograd summed them (6 fewer products per attention, 3 per MLP, and the sums: 2·B·S×h
-  per attention, B·S×h per MLP, each a read and write of the input gradient).
+  projection's node made its own and autograd summed them (6 fewer products per attention, 3 per
+  MLP, and the sums: 2·B·S×h per attention, B·S×h per MLP, each a read and write of the input
+  gradient).
 - SwiGLU with down's LoRA as one node (:func:`fuse_swiglu_down`). Down's adapter reads its input
   SiLU(gate)·up for its gradient, so the LoRA node kept that B·S×I tensor beside the gate and up
   outputs SwiGLU keeps; this node keeps gate and up only and recomputes the product in its
