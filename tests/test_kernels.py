@@ -367,10 +367,9 @@ def test_projections_that_share_an_input_are_one_node(tiny_model_path):
         assert sum("zerolab_siblings" in m.__dict__ for m in model.modules()) == (3 + 2 if groups == 2 else 2) * layers
         assert_same_loss_and_grads(loss_and_grads(model, inputs), loss_and_grads(ref, inputs), FP32_TOL)
         nodes, ref_nodes = (_graph_nodes(m(**inputs).loss) for m in (model, ref))
-        # Plain weights: every group and every lone layer (o_proj; up_proj alone in its MLP) is one folded node.
-        assert nodes["_FoldedLoRABackward"] == (groups + single) * layers
-        assert ref_nodes["_FoldedLoRABackward"] == (6 if targets is None else 3) * layers
-        assert not (nodes["_SharedInputLoRABackward"] or nodes["_LoRALinearBackward"] or ref_nodes["_SharedInputLoRABackward"])
+        assert nodes["_SharedInputLoRABackward"] == groups * layers and not ref_nodes["_SharedInputLoRABackward"]
+        assert nodes["_LoRALinearBackward"] == single * layers  # o_proj; up_proj alone in its MLP
+        assert ref_nodes["_LoRALinearBackward"] == (6 if targets is None else 3) * layers
 
     attn = model.get_submodule("base_model.model.model.layers.0.self_attn")
     siblings = attn.q_proj.__dict__["zerolab_siblings"]
@@ -397,53 +396,6 @@ def test_projections_that_share_an_input_are_one_node(tiny_model_path):
         model(**inputs)
     failing.remove()
     assert siblings.kept is None
-
-
-def test_folded_weights_stay_the_layers_and_gate_up_gradients_land_in_place(tiny_model_path, monkeypatch):
-    """Each frozen weight becomes a view of its fold's buffer with the values it had; SwiGLU's backward
-    writes gate's and up's gradients in place of their outputs, which are column blocks of one buffer,
-    so their fold's input gradient reads them there (Q/K/V's, from the attention, are copied in); a
-    model cast after its first step folds its weights again and still computes peft's outputs."""
-    from zerolab.adapters import apply_adapter
-    from zerolab.config import AdapterSpec
-
-    torch.manual_seed(0)
-    model = apply_adapter(load_model(ModelSpec(), torch.float32), AdapterSpec(method="lora", r=4, alpha=8, dropout=0.0), 10)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.05)
-    weights = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad and p.dim() == 2}
-    lora_nodes.fuse_lora(model)
-    lora_nodes.fuse_shared_inputs(model)
-    lora_nodes.fuse_swiglu_down(model)
-    in_place: list[tuple[str, bool]] = []
-    output_grads = lora_nodes._Fold.output_grads
-
-    def spy(fold, grads):
-        full, grad_h = output_grads(fold, grads)
-        gate_up = [layer.base_layer.out_features for layer in fold.layers] == [model.config.intermediate_size] * 2
-        in_place.append((gate_up, full is grads[0]._base))
-        return full, grad_h
-
-    monkeypatch.setattr(lora_nodes._Fold, "output_grads", spy)
-    ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(0))
-    model(input_ids=ids, labels=ids).loss.backward()
-    layers = model.config.num_hidden_layers
-    assert sorted(in_place) == sorted([(True, True)] * layers + [(False, False)] * 3 * layers)  # gate/up; Q/K/V, o, down
-    folds = {id(m.__dict__["zerolab_fold"]): m.__dict__["zerolab_fold"] for m in model.modules() if "zerolab_fold" in m.__dict__}
-    assert len(folds) == 4 * layers
-    for name, p in model.named_parameters():
-        if name in weights and "layers" in name and "lora" not in name:
-            assert any(p.untyped_storage().data_ptr() == f.buf.untyped_storage().data_ptr() for f in folds.values()), name
-            assert torch.equal(p, weights[name]), name
-    model.to(torch.float64)
-    with torch.no_grad():
-        attn = model.get_submodule("base_model.model.model.layers.0.self_attn")
-        x = torch.randn(2, 5, model.config.hidden_size, dtype=torch.float64)
-        got = attn.o_proj(x)
-        assert attn.o_proj.__dict__["zerolab_fold"].buf.dtype == torch.float64
-        torch.testing.assert_close(got, type(attn.o_proj).forward(attn.o_proj, x))
 
 
 def test_the_swiglu_down_node_keeps_the_gate_and_up_outputs_only(tiny_model_path):

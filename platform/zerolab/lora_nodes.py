@@ -101,9 +101,7 @@ def _lora_addmm_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -
     flat = x.reshape(-1, x.shape[-1])
     operands = _one_node_operands(self, flat)
     name = self.active_adapters[0]
-    if operands is not None and isinstance(operands[5], _Fold):
-        (out,) = _FoldedLoRA.apply(flat, operands[5], False, (operands[4],), operands[2], operands[3])
-    elif operands is not None:
+    if operands is not None:
         out = _LoRALinear.apply(flat, *operands)
     elif "zerolab_base_product" in self.__dict__:
         return type(self).forward(self, x, *args, **kwargs)
@@ -141,8 +139,6 @@ def _one_node_operands(self: Any, flat: torch.Tensor) -> tuple | None:
         return None
     quantized = self.__dict__.get("zerolab_base_product")
     weight, frozen = (None, quantized) if quantized is not None else (base.weight, fp8_weight(base, flat))
-    if frozen is None and "zerolab_siblings" not in self.__dict__:
-        frozen = _Fold.of([self])
     return weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name], frozen
 
 
@@ -211,151 +207,6 @@ def _lora_input_grad(grad: torch.Tensor, weight: torch.Tensor | None, grad_h: to
     return (grad_h @ lora_a).addmm_(grad, weight)
 
 
-class _Fold:
-    """The frozen weights of LoRA layers that read one input — one layer, or the siblings of one of
-    :data:`SHARED_INPUT_GROUPS` — in one buffer with their adapters, laid out ``[[W, s·B], [A, 0]]``:
-    (O + R) × (K + R) for the layers' K inputs, O outputs and R ranks in all, ``W`` and ``A`` the
-    layers' stacked, ``s·B`` block-diagonal (each layer's scaled B in its own rows and rank columns).
-    With it every wide product of :class:`_FoldedLoRA` is one plain product that also does the
-    adapter's: the forward ``[x | x·Aᵀ]·[W | s·B]ᵀ`` reads the buffer's first O rows, the input
-    gradient ``[g | s·g·B]·[W ; A]`` its first K columns. The products with separate adapter terms
-    summed onto them ran in cuBLAS's accumulating (beta 1) kernels: 7B at two 4k rows, ≈ 730 TFLOP/s
-    against ≈ 833 for the same products in plain ones (h200-104); the fold costs R more columns of
-    the reduction (≤ 1.4% more FLOPs) and a copy of the input and of the output gradients.
-
-    Each layer's frozen weight becomes a view of its block (the same values, row stride K + R); the
-    adapters, which the optimizer owns, are copied in before each forward (:meth:`adapt`). Built on
-    first use (:meth:`of`), after ``deepspeed.initialize``, which broadcasts weights as whole
-    tensors; not for weights ZeRO-3 partitions, which it gathers into buffers of its own."""
-
-    def __init__(self, layers: list[Any]) -> None:
-        weights = [layer.base_layer.weight for layer in layers]
-        names = [layer.active_adapters[0] for layer in layers]
-        self.layers = layers
-        self.outs = [w.shape[0] for w in weights]
-        self.ranks = [layer.lora_A[name].weight.shape[0] for layer, name in zip(layers, names)]
-        self.k, self.o, self.r = weights[0].shape[1], sum(self.outs), sum(self.ranks)
-        self.starts = [sum(self.outs[:i]) for i in range(len(layers))]
-        self.rank_starts = [sum(self.ranks[:i]) for i in range(len(layers))]
-        self.buf = weights[0].new_zeros(self.o + self.r, self.k + self.r)
-        with torch.no_grad():
-            for w, start, out in zip(weights, self.starts, self.outs):
-                block = self.buf[start:start + out, :self.k]
-                block.copy_(w)
-                w.data = block
-        biases = [layer.base_layer.bias for layer in layers]
-        self.bias = None if all(b is None for b in biases) else torch.cat(
-            [torch.zeros(out, dtype=self.buf.dtype, device=self.buf.device) if b is None else b.detach() for b, out in zip(biases, self.outs)])
-        self.biases = biases
-        self._pointers = [w.data_ptr() for w in weights]
-
-    @classmethod
-    def of(cls, layers: list[Any]) -> _Fold | None:
-        """The fold of ``layers`` (kept on the first layer), made or made again where a weight is no
-        longer its view (moved, cast, replaced); None where the weights cannot be one: partitioned
-        by ZeRO-3, trainable, or of different dtypes or devices."""
-        weights = [layer.base_layer.weight for layer in layers]
-        if any(hasattr(w, "ds_id") or w.requires_grad or w.dtype != weights[0].dtype or w.device != weights[0].device
-               or w.dim() != 2 or w.shape[1] != weights[0].shape[1] for w in weights):
-            return None
-        fold = layers[0].__dict__.get("zerolab_fold")
-        if fold is None or fold.layers != layers or not fold.current():
-            if torch.is_inference_mode_enabled():
-                return None  # its buffer would be an inference tensor, which training could not save
-            fold = cls(layers)
-            for layer in layers:
-                layer.__dict__["zerolab_fold"] = fold
-        return fold
-
-    def current(self) -> bool:
-        """Whether every layer's weight is still the view of its block, with its rank and bias."""
-        return (all(layer.base_layer.weight.data_ptr() == ptr for layer, ptr in zip(self.layers, self._pointers))
-                and all(layer.base_layer.bias is b for layer, b in zip(self.layers, self.biases))
-                and all(layer.lora_A[layer.active_adapters[0]].weight.shape[0] == r for layer, r in zip(self.layers, self.ranks)))
-
-    def input_buffer(self, like: torch.Tensor) -> torch.Tensor:
-        """An empty N × (K + R) input of the forward product for ``like``'s N rows."""
-        return like.new_empty(like.shape[0], self.k + self.r)
-
-    def adapt(self, xa: torch.Tensor, adapters: tuple[torch.Tensor, ...], scales: tuple[float, ...]) -> torch.Tensor:
-        """Copy the adapters ``(A₀, B₀, A₁, B₁, …)`` into the buffer, B scaled by its layer's scale,
-        and ``x·Aᵀ`` into the last R columns of ``xa``, whose first K hold ``x``; returns ``x·Aᵀ`` (N × R)."""
-        k, o = self.k, self.o
-        with torch.no_grad():
-            for i, (start, out, c, r) in enumerate(zip(self.starts, self.outs, self.rank_starts, self.ranks)):
-                self.buf[o + c:o + c + r, :k].copy_(adapters[2 * i])
-                torch.mul(adapters[2 * i + 1], scales[i], out=self.buf[start:start + out, k + c:k + c + r])
-        hs = xa[:, :k] @ self.buf[o:, :k].t()
-        xa[:, k:].copy_(hs)
-        return hs
-
-    def products(self, xa: torch.Tensor, wide: bool = False) -> tuple[torch.Tensor, ...]:
-        """Each layer's output for the input ``[x | x·Aᵀ]``: one product each, or with ``wide`` one
-        for all, the outputs column blocks of an N × (O + R) buffer (see :meth:`output_grads`)."""
-        if wide:
-            full = xa.new_empty(xa.shape[0], self.o + self.r)
-            if self.bias is None:
-                torch.mm(xa, self.buf[:self.o].t(), out=full[:, :self.o])
-            else:
-                torch.addmm(self.bias, xa, self.buf[:self.o].t(), out=full[:, :self.o])
-            return tuple(full[:, start:start + out] for start, out in zip(self.starts, self.outs))
-        return tuple(F.linear(xa, self.buf[start:start + out], None if self.bias is None else self.bias[start:start + out])
-                     for start, out in zip(self.starts, self.outs))
-
-    def output_grads(self, grads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[g | s·g·B]`` (N × (O + R)) for the layers' output gradients, and ``s·g·B`` (N × R). Where
-        the gradients are the column blocks of a :meth:`products` ``wide`` buffer, written in place of
-        the outputs (:class:`_SwiGLULoRADown`'s backward), that buffer: no copy."""
-        k, o = self.k, self.o
-        full = grads[0]._base
-        if not (full is not None and full.shape == (grads[0].shape[0], o + self.r) and full.is_contiguous()
-                and all(g._base is full and g.stride() == full.stride() and g.storage_offset() == full.storage_offset() + start
-                        for g, start in zip(grads, self.starts))):
-            full = grads[0].new_empty(grads[0].shape[0], o + self.r)
-            for g, start, out in zip(grads, self.starts, self.outs):
-                full[:, start:start + out].copy_(g)
-        grad_h = full.new_empty(full.shape[0], self.r)
-        for start, out, c, r in zip(self.starts, self.outs, self.rank_starts, self.ranks):
-            torch.mm(full[:, start:start + out], self.buf[start:start + out, k + c:k + c + r], out=grad_h[:, c:c + r])
-        full[:, o:].copy_(grad_h)
-        return full, grad_h
-
-    def input_grad(self, full: torch.Tensor) -> torch.Tensor:
-        """``[g | s·g·B]·[W ; A]``, the input gradient, for :meth:`output_grads`'s first result."""
-        return full @ self.buf[:, :self.k]
-
-
-class _FoldedLoRA(torch.autograd.Function):
-    """``x·Wᵢᵀ + bᵢ + sᵢ·(x·Aᵢᵀ)·Bᵢᵀ`` for the layers of a :class:`_Fold` (frozen ``Wᵢ``, no dropout) as
-    one autograd node of plain products: the forward's from ``[x | x·Aᵀ]`` (one product per layer, or
-    with ``wide`` one for all), the input gradient's one product of ``[g | s·g·B]`` with the buffer,
-    the adapters' gradients narrow products of the saved ``x`` and ``x·Aᵀ``. ``adapters``: ``(A₀, B₀, A₁, B₁, …)``."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, fold: _Fold, wide: bool, scales: tuple[float, ...],
-                *adapters: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        xa = fold.input_buffer(x)
-        xa[:, :fold.k].copy_(x)
-        hs = fold.adapt(xa, adapters, scales)
-        ctx.save_for_backward(x, hs)  # not [x | x·Aᵀ]: x is often kept anyway (the attention's output by its backward)
-        ctx.fold, ctx.scales = fold, scales
-        return fold.products(xa, wide)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, hs = ctx.saved_tensors
-        fold = ctx.fold
-        full, grad_h = fold.output_grads(grads)
-        grad_x = fold.input_grad(full) if ctx.needs_input_grad[0] else None
-        grad_a_all = grad_h.t() @ x if any(ctx.needs_input_grad[4::2]) else None
-        result: list[torch.Tensor | None] = [grad_x, None, None, None]
-        for i, (start, out, c, r) in enumerate(zip(fold.starts, fold.outs, fold.rank_starts, fold.ranks)):
-            grad_a = grad_a_all[c:c + r] if ctx.needs_input_grad[4 + 2 * i] else None
-            grad_b = (full[:, start:start + out].t() @ hs[:, c:c + r]).mul_(ctx.scales[i]) if ctx.needs_input_grad[5 + 2 * i] else None
-            result += [grad_a, grad_b]
-        return tuple(result)
-
-
 SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Projections of one module that read the same input: attention's Q/K/V, the MLP's gate and up."""
 
@@ -402,13 +253,11 @@ class _Siblings:
         """Drop what is kept (a forward hook of the siblings' module: after each of its forwards)."""
         self.kept = None
 
-    def output(self, layer: Any, x: torch.Tensor, wide: bool = False) -> torch.Tensor | None:
+    def output(self, layer: Any, x: torch.Tensor) -> torch.Tensor | None:
         """``layer``'s output for ``x``: kept from a sibling's call with this very tensor, or computed
         with all the siblings' in one node; None where that node does not apply (inside a compiled
         graph, any sibling that would not be a one-layer node, adapter scales that differ) or where
-        the siblings of this forward read different tensors. ``wide``: where the siblings' weights
-        are one :class:`_Fold`, their outputs are column blocks of one buffer with room for the
-        backward's adapter columns (for a node that writes their gradients in place of them)."""
+        the siblings of this forward read different tensors."""
         kept = self.kept
         if kept is _APART:
             return None
@@ -428,12 +277,8 @@ class _Siblings:
                 return None
             operands.append(ops)
         scale = operands[0][4]
-        fold = _Fold.of(self.layers) if all(frozen is None for *_, frozen in operands) else None
-        if fold is not None:
-            outs = _FoldedLoRA.apply(flat, fold, wide, tuple(ops[4] for ops in operands), *[t for ops in operands for t in ops[2:4]])
-        else:
-            flat_operands = [t for weight, bias, a, b, _, frozen in operands for t in (weight, bias, a, b, frozen)]
-            outs = _SharedInputLoRA.apply(flat, scale, *flat_operands)
+        flat_operands = [t for weight, bias, a, b, _, frozen in operands for t in (weight, bias, a, b, frozen)]
+        outs = _SharedInputLoRA.apply(flat, scale, *flat_operands)
         outputs = {sibling: out.view(*x.shape[:-1], out.shape[-1]) for sibling, out in zip(self.layers, outs)}
         out = outputs.pop(layer)
         self.kept = (x, _version(x), outputs)
@@ -542,31 +387,20 @@ def _swiglu_down_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     operands = _one_node_operands(down, flat) if _takes_fused_forward(down, x) else None
     if operands is None:
         return self.__dict__["zerolab_mlp_forward"](x)
-    siblings = self.gate_proj.__dict__.get("zerolab_siblings")
-    gate = siblings.output(self.gate_proj, flat, wide=True) if siblings is not None and siblings.kept is None else None
-    out = _SwiGLULoRADown.apply(self.gate_proj(flat) if gate is None else gate, self.up_proj(flat), *operands)
+    out = _SwiGLULoRADown.apply(self.gate_proj(flat), self.up_proj(flat), *operands)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
 class _SwiGLULoRADown(torch.autograd.Function):
     """``a·Wᵀ + b + s·(a·Aᵀ)·Bᵀ`` with ``a = SiLU(gate)·up`` for a frozen ``W`` as one autograd node
     that keeps ``gate`` and ``up``, not ``a`` (see :func:`fuse_swiglu_down`); the rest as
-    :class:`_LoRALinear`, or with down's :class:`_Fold` (``frozen``) as :class:`_FoldedLoRA`, SwiGLU
-    writing ``a`` into the folded product's input. The backward overwrites the saved gate and up
-    outputs with their gradients."""
+    :class:`_LoRALinear`. The backward overwrites the saved gate and up outputs with their gradients."""
 
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                 lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float, frozen: Any = None) -> torch.Tensor:
-        if isinstance(frozen, _Fold):
-            xa = frozen.input_buffer(gate)
-            swiglu(gate, up, out=xa[:, :frozen.k])
-            hs = frozen.adapt(xa, (lora_a, lora_b), (scale,)).mul_(scale)  # s·a·Aᵀ, as the other branch keeps it
-            (out,) = frozen.products(xa)
-            ctx.save_for_backward(gate, up, None, None, None, hs)  # the backward reads the weights in the fold's buffer
-        else:
-            out, hs = _lora_product(swiglu(gate, up), weight, bias, lora_a, lora_b, scale, frozen)
-            ctx.save_for_backward(gate, up, weight, lora_a, lora_b, hs)
+        out, hs = _lora_product(swiglu(gate, up), weight, bias, lora_a, lora_b, scale, frozen)
+        ctx.save_for_backward(gate, up, weight, lora_a, lora_b, hs)
         ctx.scale, ctx.frozen = scale, frozen
         return out
 
@@ -574,37 +408,34 @@ class _SwiGLULoRADown(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         gate, up, weight, lora_a, lora_b, hs = ctx.saved_tensors
         grad = grad.contiguous()
-        if isinstance(ctx.frozen, _Fold):
-            grads, grad_h = ctx.frozen.output_grads((grad,))
-            grad_act = ctx.frozen.input_grad(grads)
-        else:
-            grad_h = (grad @ lora_b).mul_(ctx.scale)
-            grad_act = _lora_input_grad(grad, weight, grad_h, lora_a, ctx.frozen)
+        grad_h = (grad @ lora_b).mul_(ctx.scale)
+        grad_act = _lora_input_grad(grad, weight, grad_h, lora_a, ctx.frozen)
         grad_b = grad.t() @ hs if ctx.needs_input_grad[5] else None
         act = swiglu_backward_(gate, up, grad_act)  # gate, up ← their gradients; grad_act ← SiLU(gate)·up
         grad_a = grad_h.t() @ act if ctx.needs_input_grad[4] else None
         return gate, up, None, None, grad_a, grad_b, None, None
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate)·up as Hugging Face's and Liger's SwiGLU compute it: SiLU in float32, rounded to
-    the inputs' dtype, times ``up``; into ``out`` where given. One Triton pass on GPUs, over rows
-    whose elements are contiguous (the column blocks of a wider buffer too)."""
-    out = torch.empty_like(gate, memory_format=torch.contiguous_format) if out is None else out
-    if gate.is_cuda and _triton_swiglu_kernels() is not None and _rows(gate, up, out):
-        rows, cols = out.shape
-        _triton_swiglu_kernels()[0][(rows, _blocks(cols))](gate, up, out, cols, gate.stride(0), up.stride(0), out.stride(0), BLOCK=_BLOCK)
+    the inputs' dtype, times ``up``. One Triton pass on GPUs."""
+    if gate.is_cuda and _triton_swiglu_kernels() is not None:
+        gate, up = gate.contiguous(), up.contiguous()
+        out = torch.empty_like(gate)
+        n = gate.numel()
+        _triton_swiglu_kernels()[0][(_blocks(n),)](gate, up, out, n, BLOCK=_BLOCK)
         return out
-    return torch.mul(F.silu(gate), up, out=out)
+    return F.silu(gate) * up
 
 
 def swiglu_backward_(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """SwiGLU's backward for ``grad``, the gradient of SiLU(gate)·up, in place and in one pass:
     ``gate`` and ``up`` become their gradients (as in Liger's kernel, float32 inside) and ``grad``
     becomes SiLU(gate)·up, recomputed as :func:`swiglu` does; returns ``grad``. Triton on GPUs."""
-    if gate.is_cuda and _triton_swiglu_kernels() is not None and _rows(gate, up, grad):
-        rows, cols = grad.shape
-        _triton_swiglu_kernels()[1][(rows, _blocks(cols))](gate, up, grad, cols, gate.stride(0), up.stride(0), grad.stride(0), BLOCK=_BLOCK)
+    if (gate.is_cuda and _triton_swiglu_kernels() is not None and gate.is_contiguous() and up.is_contiguous()
+            and grad.is_contiguous()):
+        n = gate.numel()
+        _triton_swiglu_kernels()[1][(_blocks(n),)](gate, up, grad, n, BLOCK=_BLOCK)
         return grad
     g = gate.float()
     sig = torch.sigmoid(g)
@@ -617,13 +448,8 @@ def swiglu_backward_(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) -
     return grad.copy_(act)
 
 
-def _rows(*tensors: torch.Tensor) -> bool:
-    """Whether the tensors are matrices of one shape whose rows are contiguous (what the SwiGLU kernels index)."""
-    return all(t.dim() == 2 and t.shape == tensors[0].shape and t.stride(1) == 1 for t in tensors)
-
-
 _BLOCK = 1024
-"""Elements of a row per program of the SwiGLU kernels."""
+"""Elements per program of the SwiGLU kernels."""
 
 
 def _blocks(n: int) -> int:
@@ -632,8 +458,7 @@ def _blocks(n: int) -> int:
 
 @functools.cache
 def _triton_swiglu_kernels() -> Any:
-    """(forward, in-place backward) Triton kernels of SwiGLU over blocks of rows (each tensor with its
-    own row stride); None without Triton."""
+    """(forward, in-place backward) Triton kernels of SwiGLU over flat element ranges; None without Triton."""
     try:
         import triton
         import triton.language as tl
@@ -641,29 +466,27 @@ def _triton_swiglu_kernels() -> Any:
         return None
 
     @triton.jit
-    def _swiglu_forward(gate_ptr, up_ptr, out_ptr, cols, gate_stride, up_stride, out_stride, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < cols
-        g = tl.load(gate_ptr + row * gate_stride + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(up_ptr + row * up_stride + offs, mask=mask, other=0.0)
-        tl.store(out_ptr + row * out_stride + offs, (g * tl.sigmoid(g)).cast(u.dtype) * u, mask=mask)
+    def _forward(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + offs, mask=mask, other=0.0)
+        tl.store(out_ptr + offs, (g * tl.sigmoid(g)).cast(u.dtype) * u, mask=mask)
 
     @triton.jit
-    def _swiglu_backward(gate_ptr, up_ptr, grad_ptr, cols, gate_stride, up_stride, grad_stride, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < cols
-        dy = tl.load(grad_ptr + row * grad_stride + offs, mask=mask, other=0.0)
-        g = tl.load(gate_ptr + row * gate_stride + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(up_ptr + row * up_stride + offs, mask=mask, other=0.0)
+    def _backward(gate_ptr, up_ptr, grad_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        dy = tl.load(grad_ptr + offs, mask=mask, other=0.0)
+        g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + offs, mask=mask, other=0.0)
         sig = tl.sigmoid(g)
         silu = g * sig
-        tl.store(grad_ptr + row * grad_stride + offs, silu.cast(u.dtype) * u, mask=mask)
-        tl.store(up_ptr + row * up_stride + offs, dy * silu, mask=mask)
-        tl.store(gate_ptr + row * gate_stride + offs, dy * (silu * (1 - sig) + sig) * u, mask=mask)
+        tl.store(grad_ptr + offs, silu.cast(u.dtype) * u, mask=mask)
+        tl.store(up_ptr + offs, dy * silu, mask=mask)
+        tl.store(gate_ptr + offs, dy * (silu * (1 - sig) + sig) * u, mask=mask)
 
-    return _swiglu_forward, _swiglu_backward
+    return _forward, _backward
 
 
 __all__ = ["SHARED_INPUT_GROUPS", "fuse_lora", "fuse_shared_inputs", "fuse_swiglu_down", "fuses_swiglu_down", "swiglu", "swiglu_backward_"]
