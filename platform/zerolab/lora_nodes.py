@@ -466,7 +466,7 @@ def _triton_swiglu_kernels() -> Any:
         return None
 
     @triton.jit
-    def _forward(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    def _swiglu_forward_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -474,7 +474,7 @@ def _triton_swiglu_kernels() -> Any:
         tl.store(out_ptr + offs, (g * tl.sigmoid(g)).cast(u.dtype) * u, mask=mask)
 
     @triton.jit
-    def _backward(gate_ptr, up_ptr, grad_ptr, n, BLOCK: tl.constexpr):
+    def _swiglu_backward_kernel(gate_ptr, up_ptr, grad_ptr, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         dy = tl.load(grad_ptr + offs, mask=mask, other=0.0)
@@ -486,7 +486,7 @@ def _triton_swiglu_kernels() -> Any:
         tl.store(up_ptr + offs, dy * silu, mask=mask)
         tl.store(gate_ptr + offs, dy * (silu * (1 - sig) + sig) * u, mask=mask)
 
-    return _forward, _backward
+    return _swiglu_forward_kernel, _swiglu_backward_kernel
 
 
 __all__ = ["SHARED_INPUT_GROUPS", "fuse_lora", "fuse_shared_inputs", "fuse_swiglu_down", "fuses_swiglu_down", "swiglu", "swiglu_backward_"]
