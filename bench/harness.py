@@ -365,13 +365,15 @@ SUITES: dict[str, list[Run]] = {
     # zerolab against TRL's SFTTrainer (the peer users weigh it against), 7B on one GPU with two packed
     # 4k rows per step, medians of three; the first pair are first launches (empty data and kernel caches).
     "trl-7b": _suite_trl("qwen2.5-7b", micro_batch=2, steps=12, timeout_s=300),
-    # The 7B job's loss at every step with zerolab's LoRA nodes and with peft's own LoRA forward
-    # (`model.kernels=none`, which leaves Liger's kernels out too): which LoRA products the engine's GPU
-    # path computes as peft does, where two formulations of the nodes that agree on CPU and outside the
-    # engine parted by 0.14 in loss after 12 steps (docs/benchmark.md, h200-106 to h200-109).
+    # The 7B job's loss at every step with zerolab's LoRA nodes, with peft's own LoRA forward
+    # (`model.kernels=none`, which leaves Liger's kernels out too) and with the nodes where ZeRO-2 reduces
+    # gradients on the compute stream (`overlap_comm` off): which LoRA products the engine's GPU path
+    # computes as peft does, where two formulations of the nodes that agree on CPU and outside the engine
+    # parted by 0.14 in loss after 12 steps (docs/benchmark.md, h200-106 to h200-109).
     "lora-nodes-7b": [Run("zerolab", "qwen2.5-7b", stage=2, micro_batch=2, steps=12, window=6, kernels=kernels, variant=label, timeout_s=300,
-                          overrides=("train.log_every_n_steps=1",))
-                      for label, kernels in (("nodes", "auto"), ("peft", "none"))],
+                          overrides=("train.log_every_n_steps=1", *extra))
+                      for label, kernels, extra in (("nodes", "auto", ()), ("peft", "none", ()),
+                                                    ("nodes-no-overlap", "auto", (f"deepspeed.config={REPO / 'bench/zero2_no_overlap.json'}",)))],
     "trl-0.5b": _suite_trl("qwen2.5-0.5b", micro_batch=4, steps=20, timeout_s=180),
     # Where zerolab's checkpointed nf4 step at one row loses to TRL's (h100-60: 6,047 against 7,501 tokens/s):
     # the same run at ZeRO-0 (no ZeRO-2 gradient buckets and their device syncs), and the ZeRO-2 step
