@@ -65,6 +65,20 @@ def test_attention_flops_of_a_split_row_count_the_whole_row(harness):
     assert harness._mfu_with_attention(groups, {**metrics, "tokens_per_step": 2 * row_tokens}) == round(0.069 + attention, 4)
 
 
+def test_the_lora_nodes_suite_varies_only_what_it_names(harness):
+    """``lora-nodes-7b``: the nodes, peft's forward (``model.kernels=none``) and the nodes with ZeRO-2's
+    ``overlap_comm`` off, whose DeepSpeed JSON is the stage's own file but for that one setting."""
+    import json
+
+    runs = {r.variant: r for r in harness.SUITES["lora-nodes-7b"]}
+    assert {v: r.kernels for v, r in runs.items()} == {"nodes": "auto", "peft": "none", "nodes-no-overlap": "auto"}
+    config = next(o.split("=", 1)[1] for o in runs["nodes-no-overlap"].overrides if o.startswith("deepspeed.config="))
+    expected = json.loads((REPO / "ds_configs/zero2.json").read_text())
+    expected["zero_optimization"]["overlap_comm"] = False
+    assert json.loads(Path(config).read_text()) == expected
+    assert runs["nodes"].overrides == runs["peft"].overrides == ("train.log_every_n_steps=1",)
+
+
 def test_trl_starts_without_a_launcher_on_one_gpu_and_under_torchrun_on_several(harness, tmp_path):
     assert "trl" in harness.SYSTEMS and {r.system for r in harness.SUITES["cpu-smoke"]} == set(harness.SYSTEMS)
     ws = harness.Workspace(tmp_path)

@@ -307,7 +307,8 @@ def optimizer_step(engine: Any, micro: list[Batch], device: torch.device, want_g
     up the slices' gradients); DeepSpeed must not divide again by the accumulation steps
     (``scale_wrt_gas=False``).
     """
-    n_targets = torch.full((), float(sum(b.num_targets for b in micro)), device=device)  # a fill: no copy from the host, which waits for the GPU
+    # A fill on the device: a copy from the host would wait for the GPU to finish the previous step.
+    n_targets = torch.full((), float(sum(b.num_targets for b in micro)), device=device)
     dist.all_reduce(n_targets)
     world = dist.get_world_size() // getattr(engine, "sequence_parallel_size", 1)
     scale = _zero3_sequence_parallel_scale(engine)
