@@ -369,7 +369,8 @@ SUITES: dict[str, list[Run]] = {
     # (`model.kernels=none`, which leaves Liger's kernels out too) and with the nodes where ZeRO-2 reduces
     # gradients on the compute stream (`overlap_comm` off): which LoRA products the engine's GPU path
     # computes as peft does, where two formulations of the nodes that agree on CPU and outside the engine
-    # parted by 0.14 in loss after 12 steps (docs/benchmark.md, h200-106 to h200-109).
+    # parted by 0.14 in loss after 12 steps (docs/benchmark.md, h200-106 to h200-110: the shipped nodes
+    # match peft's forward there, the folded ones did not).
     "lora-nodes-7b": [Run("zerolab", "qwen2.5-7b", stage=2, micro_batch=2, steps=12, window=6, kernels=kernels, variant=label, timeout_s=300,
                           overrides=("train.log_every_n_steps=1", *extra))
                       for label, kernels, extra in (("nodes", "auto", ()), ("peft", "none", ()),
