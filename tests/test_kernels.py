@@ -191,8 +191,12 @@ def test_varlen_falls_back_to_sdpa_without_a_gpu():
 
 @pytest.fixture
 def fake_liger(monkeypatch):
-    """A stand-in for liger_kernel.transformers.functional computing the fused loss in plain torch."""
+    """A stand-in for liger_kernel.transformers.functional computing the fused loss in plain torch;
+    yields the targets of each call."""
+    calls = []
+
     def fused(hidden, weight, target, ignore_index=-100, reduction="mean"):
+        calls.append(target)
         return F.cross_entropy((hidden @ weight.t()).float(), target, ignore_index=ignore_index, reduction=reduction)
 
     functional = types.ModuleType("liger_kernel.transformers.functional")
@@ -201,6 +205,7 @@ def fake_liger(monkeypatch):
                          "liger_kernel.transformers": types.ModuleType("liger_kernel.transformers"),
                          "liger_kernel.transformers.functional": functional}.items():
         monkeypatch.setitem(sys.modules, name, module)
+    yield calls
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -223,9 +228,21 @@ def test_fused_loss_forward_matches_the_models_loss(request, device, num_items):
     got = loss_and_grads(model, inputs, num_items_in_batch=num_items)
     assert model.lm_head.weight.grad is not None and all(p.grad is not None for p in model.model.layers[0].parameters())
     assert_same_loss_and_grads(got, expected, FP32_TOL if dtype == torch.float32 else BF16_TOL)
+    if device == "cpu":  # the head and the loss saw the tokens with a target only (half of each row is prompt)
+        calls = request.getfixturevalue("fake_liger")
+        assert [len(t) for t in calls] == [batch.num_targets] * len(calls) and all((t != -100).all() for t in calls)
     model.eval()  # evaluation keeps the model's own forward, with logits
     with torch.no_grad():
         assert model(**inputs).logits is not None
+
+
+def test_the_fused_loss_drops_only_rows_without_a_target():
+    hidden = torch.arange(12.0).reshape(6, 2)
+    rows, targets = kernels._target_rows(hidden, torch.tensor([-100, 4, -100, 7, 9, -100]))
+    assert rows.tolist() == [[2.0, 3.0], [6.0, 7.0], [8.0, 9.0]] and targets.tolist() == [4, 7, 9]
+    for kept in (torch.tensor([1, 2, 3, 4, 5, 6]), torch.full((6,), -100)):  # nothing to drop; no target at all
+        rows, targets = kernels._target_rows(hidden, kept)
+        assert rows is hidden and targets is kept
 
 
 @pytest.fixture

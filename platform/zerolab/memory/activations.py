@@ -293,7 +293,8 @@ def logits_and_loss(job: EstimateContext) -> int:
     forward computes the gradient of the hidden states (e·h per token, kept for the backward)
     and the fp32 per-token loss (4), going through the tokens in chunks of
     2^⌈log2(B·S / ⌈V/h⌉)⌉ rows whose logits (e·V each) are computed in place, plus the matrix
-    product's output of the chunk's input gradient."""
+    product's output of the chunk's input gradient. The loss goes through the tokens with a target
+    only (``zerolab.kernels._target_rows``), which the data decides: this counts every token, the bound."""
     v = job.shape.vocab_size
     if job.fused_loss:
         h = job.shape.hidden_size
