@@ -19,6 +19,7 @@ import shutil
 import socket
 import tempfile
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -294,6 +295,13 @@ def check_target_files(target: Target) -> None:
         check_saved_files(Path(target.base).expanduser(), f"the base model {target.base}", input="model")
 
 
+_ADALORA_RANK_PATTERN_WARNING = r"The following rank_pattern keys did not match any targeted module and were ignored: \[('[^']*\.lora_E', )*'[^']*\.lora_E'\]\.$"
+"""peft (0.21) checks a config's ``rank_pattern`` keys against the adapted modules' names when it
+loads an adapter, and warns that the rest "were ignored". An AdaLoRA adapter's keys name the
+modules' ``lora_E`` entries, which AdaLoRA's own loading does read to cut each module to its
+trained ranks: that warning, when every key it lists is such an entry, is not one."""
+
+
 def apply_adapter(model: torch.nn.Module, adapter_path: str, *, merge: bool) -> torch.nn.Module:
     """``model`` with the PEFT adapter in ``adapter_path`` on top, or merged into its weights with
     ``merge`` (in place: ``model`` is the merged model then; the caller checks the method is one
@@ -302,7 +310,8 @@ def apply_adapter(model: torch.nn.Module, adapter_path: str, *, merge: bool) -> 
 
     from zerolab.lean_imports import peft_without_bitsandbytes
 
-    with peft_without_bitsandbytes():
+    with peft_without_bitsandbytes(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_ADALORA_RANK_PATTERN_WARNING, category=RuntimeWarning)
         try:
             peft_model = PeftModel.from_pretrained(model, adapter_path)
         except (OSError, ValueError, RuntimeError, KeyError) as exc:
