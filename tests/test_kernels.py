@@ -293,6 +293,21 @@ def test_liger_is_skipped_where_it_cannot_run(tiny_model_path):
     assert not kernels.use_fused_loss("none", use_gpu=True, head_trains=False)
 
 
+def test_liger_required_but_not_installed_is_an_environment_problem_naming_the_extra(monkeypatch):
+    """``model.kernels=liger`` on GPUs without the package: the job's plan refuses it before anything
+    loads, naming zerolab's gpu extra; ``auto`` trains without it, and on CPU the config check speaks."""
+    from zerolab.config import load_config
+    from zerolab.errors import EnvironmentProblem
+    from zerolab.plan import plan_job
+
+    real = kernels.importlib.util.find_spec
+    monkeypatch.setattr(kernels.importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else real(name, *a))
+    with pytest.raises(EnvironmentProblem, match=r"model.kernels=liger .*not installed here.*\[gpu\].*model.kernels=auto"):
+        plan_job(load_config(None, ["model.kernels=liger", "scaling.use_gpu=true"]))
+    for setting, use_gpu in (("auto", True), ("none", True), ("liger", False)):
+        kernels.check_available(setting, use_gpu=use_gpu)
+
+
 @pytest.mark.parametrize(("method", "dtype", "dropout", "device"), [
     ("lora", torch.float32, 0.0, "cpu"), ("rslora", torch.bfloat16, 0.0, "cpu"), ("lora", torch.float32, 0.1, "cpu"),
     ("dora", torch.float32, 0.0, "cpu"),

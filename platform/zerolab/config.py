@@ -51,7 +51,7 @@ class ModelSpec:
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "varlen"] = "sdpa"
     """Attention kernel; `varlen`: PyTorch's FlashAttention varlen kernel on packed batches, and causal SDPA (cuDNN's kernel on Hopper GPUs) where each packed row holds one sample (GPU; elsewhere `sdpa`); `flash_attention_2` needs the flash-attn package."""
     kernels: Literal["auto", "liger", "none"] = "auto"
-    """Fused kernels: Liger Kernel's Triton RMSNorm, SwiGLU, RoPE and linear + cross-entropy (`auto`: on GPU where the package is installed; `liger`: required) and LoRA's scale+add fused into one matrix product (any device, any ZeRO stage; without adapter dropout one autograd node per projection, Q/K/V and gate/up one node each with one product of their shared input and their stacked A matrices, and SwiGLU with down's LoRA one node that recomputes down's input in the backward instead of keeping it); `none`: Hugging Face's and peft's own modules."""
+    """Fused kernels: Liger Kernel's Triton RMSNorm, SwiGLU, RoPE and linear + cross-entropy (`auto`: on GPU where the package is installed, zerolab's `gpu` extra; `liger`: required) and LoRA's scale+add fused into one matrix product (any device, any ZeRO stage; without adapter dropout one autograd node per projection, Q/K/V and gate/up one node each with one product of their shared input and their stacked A matrices, and SwiGLU with down's LoRA one node that recomputes down's input in the backward instead of keeping it); `none`: Hugging Face's and peft's own modules."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about a third more compute."""
     offload_checkpoints: bool = False

@@ -82,7 +82,7 @@ def build_model(cfg: SFTConfig, ds_config: dict, total_steps: int, *, zero3: Zer
     if cfg.model.kernels != "none" and cfg.scaling.use_gpu:
         applied = kernels.apply_liger(model, fused_loss=fused_loss, layers=not cfg.model.compile)
         log_rank0("Liger kernels: %s", ", ".join(applied) or ("none (compiled layers)" if kernels.liger_available() else
-                                                               "not available (liger_kernel not installed)"))
+                                                               "not available (liger_kernel not installed: pip install -e '.[gpu]')"))
     # Training needs no KV cache, and with one transformers ignores the per-sample position ids
     # of packed batches: packed samples would attend to each other.
     model.config.use_cache = False

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from zerolab.batches import CU_SEQLENS_KEY, packed_cu_seqlens
+from zerolab.errors import EnvironmentProblem
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +172,14 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
 def liger_available() -> bool:
     """Whether Liger Kernel can run here: the package is installed and a CUDA device exists."""
     return torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
+
+
+def check_available(kernels: str, *, use_gpu: bool) -> None:
+    """Refuse ``model.kernels=liger`` on GPUs where Liger Kernel is not installed (before anything loads)."""
+    if kernels == "liger" and use_gpu and importlib.util.find_spec("liger_kernel") is None:
+        raise EnvironmentProblem(
+            "model.kernels=liger runs Liger Kernel's Triton kernels, which are not installed here; install zerolab's gpu extra "
+            "(pip install -e '.[gpu]', or pip install liger-kernel), or set model.kernels=auto to train without them.")
 
 
 def use_liger(kernels: str, *, use_gpu: bool) -> bool:

@@ -69,9 +69,11 @@ def plan_job(cfg: SFTConfig, *, force: bool = False, clock: StartupClock | None 
     DataError, ModelLoadError or MemoryPreflightError (unless ``force``) for what cannot run.
     ``shared_data``: a sweep's splits for this trial (:func:`prepare_data`); ``launch``: where it
     trains, when already resolved (``cluster.resolve_launch``)."""
+    from zerolab import kernels
     from zerolab.models import load_model_config, resolve_model_path
 
     quantization.check_available(cfg.model.quantization)
+    kernels.check_available(cfg.model.kernels, use_gpu=cfg.scaling.use_gpu)
     model_path = resolve_model_path(cfg.model.name_or_path)
     model_config = load_model_config(cfg.model)
     deepspeed_file = ds_config.config_path(cfg)
