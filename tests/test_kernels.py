@@ -227,13 +227,15 @@ def test_fused_loss_forward_matches_the_models_loss(request, device, num_items):
     assert model(**inputs, num_items_in_batch=num_items).logits is None
     got = loss_and_grads(model, inputs, num_items_in_batch=num_items)
     assert model.lm_head.weight.grad is not None and all(p.grad is not None for p in model.model.layers[0].parameters())
-    assert_same_loss_and_grads(got, expected, FP32_TOL if dtype == torch.float32 else BF16_TOL)
-    if device == "cpu":  # the head and the loss saw the tokens with a target only (half of each row is prompt)
-        calls = request.getfixturevalue("fake_liger")
-        assert [len(t) for t in calls] == [batch.num_targets] * len(calls) and all((t != -100).all() for t in calls)
-    model.eval()  # evaluation keeps the model's own forward, with logits
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    assert_same_loss_and_grads(got, expected, tol)
+    model.eval()  # the evaluation loss is the fused one too; generation (no labels) keeps the model's own forward
     with torch.no_grad():
-        assert model(**inputs).logits is not None
+        assert abs(model(**inputs, num_items_in_batch=num_items).loss.float() - expected[0]) / abs(expected[0]) < tol["loss"]
+        assert model(**{k: v for k, v in inputs.items() if k != "labels"}).logits is not None
+    if device == "cpu":  # the head and the loss saw the tokens with a target only (half of each row is prompt), evaluation too
+        calls = request.getfixturevalue("fake_liger")
+        assert [len(t) for t in calls] == [batch.num_targets] * 3 and all((t != -100).all() for t in calls)
 
 
 def test_the_fused_loss_drops_only_rows_without_a_target():

@@ -228,12 +228,15 @@ def apply_liger(model: torch.nn.Module, *, fused_loss: bool, layers: bool = True
 def _fused_loss_forward(self: Any, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                         position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                         num_items_in_batch: torch.Tensor | int | None = None, **kwargs: Any) -> Any:
-    """The causal LM's forward with the loss from hidden states and the head's weight, fused
-    (training with labels only; evaluation and generation take the model's own forward). Same
-    value as transformers' ``ForCausalLMLoss``: labels shifted by one, -100 ignored, the sum
-    divided by ``num_items_in_batch`` when given, else the mean; ``shift_labels`` (sequence
-    parallelism's slices, shifted before slicing) are taken as they are."""
-    if labels is None or not self.training:
+    """The causal LM's forward with the loss from hidden states and the head's weight, fused, where
+    labels are given: training, and the evaluation loss, which the model's own forward would take
+    from every token's logits in float32 (10 bytes per token and vocabulary entry: 49 GB for one
+    32k row of a 152k vocabulary, which the memory estimate of a job with the fused loss does not
+    count). Without labels (generation) the model's own forward, with logits. Same value as
+    transformers' ``ForCausalLMLoss``: labels shifted by one, -100 ignored, the sum divided by
+    ``num_items_in_batch`` when given, else the mean; ``shift_labels`` (sequence parallelism's
+    slices, shifted before slicing) are taken as they are."""
+    if labels is None:
         return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                   labels=labels, num_items_in_batch=num_items_in_batch, **kwargs)
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
