@@ -230,7 +230,7 @@ def _fused_loss_forward(self: Any, input_ids: torch.Tensor | None = None, attent
                         num_items_in_batch: torch.Tensor | int | None = None, **kwargs: Any) -> Any:
     """The causal LM's forward with the loss from hidden states and the head's weight, fused, where
     labels are given: training, and the evaluation loss, which the model's own forward would take
-    from every token's logits in float32 (10 bytes per token and vocabulary entry: 49 GB for one
+    from every token's logits in float32 (10 bytes per token and vocabulary entry: 50 GB for one
     32k row of a 152k vocabulary, which the memory estimate of a job with the fused loss does not
     count). Without labels (generation) the model's own forward, with logits. Same value as
     transformers' ``ForCausalLMLoss``: labels shifted by one, -100 ignored, the sum divided by
