@@ -268,7 +268,7 @@ def test_the_lora_nodes_train_as_peft_in_a_one_gpu_job(gpu_ray, tmp_path, gpu_mo
     nodes) and with ``model.kernels=none`` (Hugging Face's modules, peft's own LoRA forward): the same
     losses and gradient norms to bf16's rounding. ``test_kernels.py`` holds the nodes to peft's forward
     layer by layer; this holds them there inside the engine on a GPU, the one place where two formulations
-    of them that agreed everywhere else parted in loss (docs/benchmark.md, h200-106 to h200-109)."""
+    of them that agreed everywhere else parted in loss (docs/benchmark.md, h200-106 to h200-110)."""
     from zerolab.run import run_sft
 
     base = ["deepspeed.stage=2", "model.gradient_checkpointing=false", "adapter.dropout=0", "adapter.r=16", "adapter.alpha=32",

@@ -169,14 +169,18 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
 # --- Liger Kernel ---------------------------------------------------------------------------------
 
 
+def _liger_installed() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
 def liger_available() -> bool:
     """Whether Liger Kernel can run here: the package is installed and a CUDA device exists."""
-    return torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
+    return torch.cuda.is_available() and _liger_installed()
 
 
 def check_available(kernels: str, *, use_gpu: bool) -> None:
     """Refuse ``model.kernels=liger`` on GPUs where Liger Kernel is not installed (before anything loads)."""
-    if kernels == "liger" and use_gpu and importlib.util.find_spec("liger_kernel") is None:
+    if kernels == "liger" and use_gpu and not _liger_installed():
         raise EnvironmentProblem(
             "model.kernels=liger runs Liger Kernel's Triton kernels, which are not installed here; install zerolab's gpu extra "
             "(pip install -e '.[gpu]', or pip install liger-kernel), or set model.kernels=auto to train without them.")
@@ -189,7 +193,7 @@ def use_liger(kernels: str, *, use_gpu: bool) -> bool:
     0.5B step allocated 16.31 GiB compiled against 16.16 GiB with Liger's (h100-18)."""
     if kernels == "none" or not use_gpu:
         return False
-    return kernels == "liger" or importlib.util.find_spec("liger_kernel") is not None
+    return kernels == "liger" or _liger_installed()
 
 
 def use_fused_loss(kernels: str, *, use_gpu: bool, head_trains: bool) -> bool:
