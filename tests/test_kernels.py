@@ -223,42 +223,28 @@ def test_fused_loss_forward_matches_the_models_loss(request, device, num_items):
                          pad_id=0, seed=0).sequential()[0]
     inputs = on(batch.inputs, device)
     expected = loss_and_grads(model, inputs, num_items_in_batch=num_items)
-    kernels.fuse_loss(model)
-    mlp_rows = []
-    model.model.layers[-1].mlp.register_forward_hook(lambda module, args, out: mlp_rows.append(args[0].reshape(-1, args[0].shape[-1]).shape[0]))
+    model.forward = types.MethodType(kernels._fused_loss_forward, model)
     assert model(**inputs, num_items_in_batch=num_items).logits is None
     got = loss_and_grads(model, inputs, num_items_in_batch=num_items)
-    assert model.lm_head.weight.grad is not None and all(p.grad is not None for p in model.model.layers[-1].parameters())
+    assert model.lm_head.weight.grad is not None and all(p.grad is not None for p in model.model.layers[0].parameters())
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
     assert_same_loss_and_grads(got, expected, tol)
     model.eval()  # the evaluation loss is the fused one too; generation (no labels) keeps the model's own forward
     with torch.no_grad():
         assert abs(model(**inputs, num_items_in_batch=num_items).loss.float() - expected[0]) / abs(expected[0]) < tol["loss"]
         assert model(**{k: v for k, v in inputs.items() if k != "labels"}).logits is not None
-    # The last layer's MLP ran over the tokens with a target only (half of each row is prompt), then
-    # over all of them for generation.
-    assert mlp_rows == [batch.num_targets] * 3 + [inputs["input_ids"].numel()]
-    if device == "cpu":  # the head and the loss saw the tokens with a target only, evaluation too
+    if device == "cpu":  # the head and the loss saw the tokens with a target only (half of each row is prompt), evaluation too
         calls = request.getfixturevalue("fake_liger")
         assert [len(t) for t in calls] == [batch.num_targets] * 3 and all((t != -100).all() for t in calls)
 
 
-def test_the_last_mlp_over_target_rows_recomputes_the_same_rows_under_gradient_checkpointing(tiny_model_path, fake_liger):
-    torch.manual_seed(0)
-    model = load_model(ModelSpec(), torch.float32).train()
-    model.config.use_cache = False
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    inputs = MicroBatches(rows_of([12, 25, 9, 30], seed=2), micro_batch_size=2, max_seq_length=64, packing=True,
-                          pad_id=0, seed=0).sequential()[0].inputs
-    expected = loss_and_grads(model, inputs)
-    kernels.fuse_loss(model)
-    assert_same_loss_and_grads(loss_and_grads(model, inputs), expected, FP32_TOL)
-
-
 def test_the_fused_loss_drops_only_rows_without_a_target():
-    assert kernels._target_rows(torch.tensor([-100, 4, -100, 7, 9, -100])).tolist() == [1, 3, 4]
+    hidden = torch.arange(12.0).reshape(6, 2)
+    rows, targets = kernels._target_rows(hidden, torch.tensor([-100, 4, -100, 7, 9, -100]))
+    assert rows.tolist() == [[2.0, 3.0], [6.0, 7.0], [8.0, 9.0]] and targets.tolist() == [4, 7, 9]
     for kept in (torch.tensor([1, 2, 3, 4, 5, 6]), torch.full((6,), -100)):  # nothing to drop; no target at all
-        assert kernels._target_rows(kept) is None
+        rows, targets = kernels._target_rows(hidden, kept)
+        assert rows is hidden and targets is kept
 
 
 @pytest.fixture

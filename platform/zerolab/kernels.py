@@ -224,21 +224,9 @@ def apply_liger(model: torch.nn.Module, *, fused_loss: bool, layers: bool = True
     patch(model=model, **{k: v for k, v in options.items() if k in accepted})
     applied = [k for k in ("rope", "rms_norm", "swiglu") if k in accepted and layers]
     if fused_loss and hasattr(model, "lm_head") and hasattr(model, "model"):
-        fuse_loss(model, last_mlp_targets_only=layers)
+        model.forward = types.MethodType(_fused_loss_forward, model)
         applied.append("fused_linear_cross_entropy")
     return applied
-
-
-def fuse_loss(model: torch.nn.Module, *, last_mlp_targets_only: bool = True) -> None:
-    """Give ``model`` (a Hugging Face causal LM) :func:`_fused_loss_forward`. With
-    ``last_mlp_targets_only`` the last decoder layer's MLP, where it is a dense one, runs over the
-    tokens that have a target only (:class:`_TargetRowsOnly`); compiled layers keep it whole, since
-    the number of rows changes with every batch."""
-    model.forward = types.MethodType(_fused_loss_forward, model)
-    layers = getattr(model.model, "layers", None)
-    mlp = getattr(layers[-1], "mlp", None) if layers else None
-    if last_mlp_targets_only and hasattr(mlp, "down_proj"):  # a mixture of experts' router sees every token: left whole
-        model.__dict__["zerolab_target_rows"] = _TargetRowsOnly(mlp)
 
 
 def _fused_loss_forward(self: Any, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -252,9 +240,6 @@ def _fused_loss_forward(self: Any, input_ids: torch.Tensor | None = None, attent
     transformers' ``ForCausalLMLoss``: labels shifted by one, -100 ignored, the sum divided by
     ``num_items_in_batch`` when given, else the mean; ``shift_labels`` (sequence parallelism's
     slices, shifted before slicing) are taken as they are."""
-    last_mlp = self.__dict__.get("zerolab_target_rows")
-    if last_mlp is not None:
-        last_mlp.rows = None
     if labels is None:
         return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                   labels=labels, num_items_in_batch=num_items_in_batch, **kwargs)
@@ -262,18 +247,10 @@ def _fused_loss_forward(self: Any, input_ids: torch.Tensor | None = None, attent
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     shift_labels = kwargs.pop("shift_labels", None)
+    hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs).last_hidden_state
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
-    targets = shift_labels.reshape(-1).to(self.lm_head.weight.device)
-    rows = _target_rows(targets)
-    if rows is not None:
-        targets = targets.index_select(0, rows)
-        if last_mlp is not None:
-            last_mlp.rows = rows
-    hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs).last_hidden_state
-    hidden = hidden.reshape(-1, hidden.shape[-1])
-    if rows is not None:
-        hidden = hidden.index_select(0, rows)
+    hidden, targets = _target_rows(hidden.reshape(-1, hidden.shape[-1]), shift_labels.reshape(-1).to(hidden.device))
     reduction = "mean" if num_items_in_batch is None else "sum"
     # Under ZeRO-3 reading the partitioned head's weight here gathers it (DeepSpeed registers it as
     # an external parameter of the model); it then stays gathered into the next step, which the
@@ -284,48 +261,18 @@ def _fused_loss_forward(self: Any, input_ids: torch.Tensor | None = None, attent
     return CausalLMOutputWithPast(loss=loss)
 
 
-def _target_rows(targets: torch.Tensor) -> torch.Tensor | None:
-    """The indices of the tokens that have a target (``targets``: one per token, -100 for none),
-    where some have none; else None. The head's product and the cross-entropy then run over those
-    rows only, as does the last decoder layer's MLP (:class:`_TargetRowsOnly`). Masked prompts and
+def _target_rows(hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hidden states (tokens × h) and targets of the tokens that have a target, where some have
+    none: the head's product and the cross-entropy then run over those rows only. Masked prompts and
     padding contribute nothing to the loss and get a zero gradient either way; the benchmark's mix
     has a target at 14% of its tokens, and the head's two products (logits and their input
     gradient, 4·V·h per token) are about 7.5% of the 7B step's FLOPs when they run at every token.
-    Finding the rows waits for the device, once a forward pass, before the pass starts."""
+    Finding the rows waits for the device, as Liger's own count of the targets (``.item()``) does
+    right after it."""
     rows = targets.ne(-100).nonzero().squeeze(1)
     if rows.numel() in (0, targets.numel()):  # no target at all, or none to drop: the rows as they are
-        return None
-    return rows
-
-
-class _TargetRowsOnly:
-    """Runs an MLP over the given rows (token indices) of its input only, the rest of its output
-    zero: the last decoder layer's, whose output at a token without a target reaches nothing (the
-    loss reads the target rows only), so its value there does not matter, and no gradient flows
-    back from it. The layer's attention still runs at every token: the target tokens attend to the
-    others. A 7B MLP is 87% of its layer's products. Hooks around the module's call, so whatever
-    forward it has (Liger's, the SwiGLU node, tiles) runs as it is; a checkpointed layer's
-    recomputation in the backward takes the same rows, which stay set until the next forward."""
-
-    def __init__(self, mlp: torch.nn.Module) -> None:
-        self.rows: torch.Tensor | None = None
-        self._shape: torch.Size | None = None
-        mlp.register_forward_pre_hook(self._select)
-        mlp.register_forward_hook(self._scatter)
-
-    def _select(self, module: torch.nn.Module, args: tuple) -> tuple | None:
-        self._shape = None
-        if self.rows is None:
-            return None
-        x = args[0]
-        self._shape = x.shape
-        return (x.reshape(-1, x.shape[-1]).index_select(0, self.rows), *args[1:])
-
-    def _scatter(self, module: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
-        if self._shape is None:
-            return None
-        whole = out.new_zeros(self._shape[:-1].numel(), out.shape[-1]).index_copy(0, self.rows, out)
-        return whole.view(*self._shape[:-1], out.shape[-1])
+        return hidden, targets
+    return hidden.index_select(0, rows), targets.index_select(0, rows)
 
 
 # --- FP8 base products ----------------------------------------------------------------------------
