@@ -192,11 +192,11 @@ def test_varlen_falls_back_to_sdpa_without_a_gpu():
 @pytest.fixture
 def fake_liger(monkeypatch):
     """A stand-in for liger_kernel.transformers.functional computing the fused loss in plain torch;
-    yields the targets of each call."""
+    yields the targets and the chunk memory constant of each call."""
     calls = []
 
-    def fused(hidden, weight, target, ignore_index=-100, reduction="mean"):
-        calls.append(target)
+    def fused(hidden, weight, target, ignore_index=-100, reduction="mean", chunk_mem_const=1):
+        calls.append((target, chunk_mem_const))
         return F.cross_entropy((hidden @ weight.t()).float(), target, ignore_index=ignore_index, reduction=reduction)
 
     functional = types.ModuleType("liger_kernel.transformers.functional")
@@ -233,9 +233,23 @@ def test_fused_loss_forward_matches_the_models_loss(request, device, num_items):
     with torch.no_grad():
         assert abs(model(**inputs, num_items_in_batch=num_items).loss.float() - expected[0]) / abs(expected[0]) < tol["loss"]
         assert model(**{k: v for k, v in inputs.items() if k != "labels"}).logits is not None
-    if device == "cpu":  # the head and the loss saw the tokens with a target only (half of each row is prompt), evaluation too
-        calls = request.getfixturevalue("fake_liger")
-        assert [len(t) for t in calls] == [batch.num_targets] * 3 and all((t != -100).all() for t in calls)
+    if device == "cpu":  # the head and the loss saw the tokens with a target only (half of each row is prompt), evaluation too,
+        calls = request.getfixturevalue("fake_liger")  # in one chunk (Liger's own chunks would be smaller)
+        assert [len(t) for t, _ in calls] == [batch.num_targets] * 3 and all((t != -100).all() for t, _ in calls)
+        vocab, hidden = model.config.vocab_size, model.config.hidden_size
+        assert kernels._liger_chunk_rows(batch.num_targets, vocab, hidden, 1) < batch.num_targets
+        assert all(kernels._liger_chunk_rows(batch.num_targets, vocab, hidden, c) == batch.num_targets for _, c in calls)
+
+
+def test_fused_loss_chunks_have_enough_rows_to_compute_rather_than_read_the_head():
+    """(chunk_mem_const, rows per chunk) at the 7B's vocabulary and width: Liger's own chunks where
+    they have 1,024 rows or more; else the smallest constant that gives 1,024, or all the rows."""
+    vocab, hidden = 152064, 3584
+    assert kernels._liger_chunk_rows(1120, vocab, hidden, 1) == 32  # Liger's: 35 chunks over the benchmark's target tokens
+    assert kernels.fused_loss_chunk(1120, vocab, hidden) == (22, 1024)
+    assert kernels.fused_loss_chunk(8192, vocab, hidden) == (3, 1024)  # Liger's own: 256
+    assert kernels.fused_loss_chunk(500, vocab, hidden) == (43, 500)
+    assert kernels.fused_loss_chunk(262144, vocab, hidden) == (1, 8192)
 
 
 def test_the_fused_loss_drops_only_rows_without_a_target():

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 
 from zerolab.memory.context import EstimateContext
 from zerolab.memory.shapes import target_projections
-from zerolab.memory.units import pow2
 
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -291,14 +290,17 @@ def logits_and_loss(job: EstimateContext) -> int:
 
     With Liger's fused linear + cross-entropy (``zerolab.kernels``) no logits are kept: the
     forward computes the gradient of the hidden states (e·h per token, kept for the backward)
-    and the fp32 per-token loss (4), going through the tokens in chunks of
-    2^⌈log2(B·S / ⌈V/h⌉)⌉ rows whose logits (e·V each) are computed in place, plus the matrix
-    product's output of the chunk's input gradient. The loss goes through the tokens with a target
-    only (``zerolab.kernels._target_rows``), which the data decides: this counts every token, the bound."""
+    and the fp32 per-token loss (4), going through the tokens in chunks
+    (``zerolab.kernels.fused_loss_chunk``: Liger's 2^⌈log2(B·S / ⌈V/h⌉)⌉ rows, at least 1,024) whose
+    logits (e·V each) are computed in place, plus the matrix product's output of the chunk's input
+    gradient. The loss goes through the tokens with a target only (``zerolab.kernels._target_rows``),
+    which the data decides: this counts every token, the bound."""
     v = job.shape.vocab_size
     if job.fused_loss:
+        from zerolab.kernels import fused_loss_chunk  # imported with the context already
+
         h = job.shape.hidden_size
-        chunk = min(job.tokens, pow2(math.ceil(job.tokens / math.ceil(v / h))))
+        chunk = fused_loss_chunk(job.tokens, v, h)[1]
         return job.tokens * (job.e * h + 4) + chunk * (job.e * v + job.e * h)
     loss = (job.e + 12) * v * job.tokens
     if not job.peft:
