@@ -46,8 +46,11 @@ SHAPE_IDS = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B", "qwen2.5-7b": "Qwen/Qwen2.5-7B
 COLUMNS = ["run", "system", "shape", "gpus", "stage", "offload", "variant", "micro_batch", "checkpointing", "attn", "quantization", "steps",
            "tokens_per_s_per_gpu", "step_s", "mfu", "mfu_attn", "row_tokens", "tokens_per_step", "gpu_peak_allocated_gib",
            "gpu_peak_reserved_gib", "host_rss_peak_gib", "node_used_peak_gib", "time_to_first_step_s", "wall_s", "train_rows", "train_tokens",
-           "train_target_tokens", "status", "device", "command"]
-"""``attn``: the attention the run asked for; a ``trl`` run's is the one it loaded (``--attn auto`` picks it)."""
+           "train_target_tokens", "train_loss", "status", "device", "command"]
+"""``attn``: the attention the run asked for; a ``trl`` run's is the one it loaded (``--attn auto`` picks it).
+``train_loss``: a zerolab run's last logged ``train/loss``, the mean over its last logging window: the
+same for two trees only when they compute the same loss (empty for the other systems, which log theirs
+differently)."""
 
 
 @dataclass(frozen=True)
@@ -658,7 +661,7 @@ def _collect(run: Run, result: Path) -> dict[str, Any]:
                 "tokens_per_step": m["perf/tokens_per_s"] * m["perf/step_s"],
                 "gpu_peak_allocated_gib": m.get("mem/gpu_peak_allocated_gib", 0.0),
                 "gpu_peak_reserved_gib": m.get("mem/gpu_peak_reserved_gib", 0.0), "host_rss_peak_gib": m["mem/host_rss_peak_gib"],
-                "first_step_unix": m.get("perf/first_step_unix", 0.0), "device": _gpu_name()}
+                "first_step_unix": m.get("perf/first_step_unix", 0.0), "train_loss": m.get("train/loss", ""), "device": _gpu_name()}
     ranks = [json.loads(p.read_text()) for p in sorted(result.parent.glob(f"{result.name}.rank*.json"))]
     tokens_per_s = sum(r["tokens_per_s"] for r in ranks)
     first = ranks[0]
@@ -789,7 +792,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     (tokens/s, GPU memory, first step: :func:`ratios`)."""
     ratios(rows)
     head = ["run", "attn", "tokens/s/GPU", "step s", "MFU", "tokens/step", "GPU alloc / reserved GiB", "host RSS GiB",
-            "first step s", "vs seeds", "vs plain", "vs TRL: tok/s · GPU mem · first step", "status"]
+            "first step s", "loss", "vs seeds", "vs plain", "vs TRL: tok/s · GPU mem · first step", "status"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     def num(r: dict[str, Any], key: str, fmt: str) -> str:
         v = r.get(key)
@@ -802,7 +805,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         lines.append("| " + " | ".join([
             r["run"], r.get("attn") or "—", num(r, "tokens_per_s_per_gpu", ",.0f"), num(r, "step_s", ".3f"), mfu, num(r, "tokens_per_step", ",.0f"),
             f"{num(r, 'gpu_peak_allocated_gib', '.1f')} / {num(r, 'gpu_peak_reserved_gib', '.1f')}", num(r, "host_rss_peak_gib", ".1f"),
-            num(r, "time_to_first_step_s", ".1f"), (r.get("vs_seeds") or "—") + ("×" if r.get("vs_seeds") else ""),
+            num(r, "time_to_first_step_s", ".1f"), num(r, "train_loss", ".4f"), (r.get("vs_seeds") or "—") + ("×" if r.get("vs_seeds") else ""),
             (r.get("vs_plain") or "—") + ("×" if r.get("vs_plain") else ""), vs_trl if r.get("vs_trl") else "—",
             r.get("status", "")]) + " |")
     return "\n".join(lines)

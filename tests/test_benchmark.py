@@ -119,6 +119,10 @@ def test_trl_trains_zerolabs_rows_through_the_harness_on_cpu(harness, tmp_path):
     table = harness.markdown_table(harness.read_csv([Path(tmp_path / "benchmark.csv")]))
     trl_line = next(line for line in table.splitlines() if line.startswith("| trl-tiny"))
     assert "| 1.00× · — · 1.00× |" in trl_line
+    # zerolab's last logged loss beside its figures, to hold two trees to the same loss; TRL's is not shown.
+    assert 0 < ours["train_loss"] < 15 and theirs.get("train_loss", "") == ""
+    zerolab_line = next(line for line in table.splitlines() if line.startswith("| zerolab-tiny"))
+    assert f"| {ours['train_loss']:.4f} |" in zerolab_line and "| — | — | — | 1.00× · — · 1.00× |" in trl_line
 
 
 def test_the_segment_report_finds_the_hole_a_request_did_not_fit(monkeypatch):
