@@ -253,7 +253,7 @@ def _fused_loss_forward(self: Any, input_ids: torch.Tensor | None = None, attent
     hidden, targets = _target_rows(hidden.reshape(-1, hidden.shape[-1]), shift_labels.reshape(-1).to(hidden.device))
     reduction = "mean" if num_items_in_batch is None else "sum"
     chunks = {}
-    if "chunk_mem_const" in inspect.signature(liger_fused_linear_cross_entropy).parameters:  # older Liger keeps its own chunks
+    if _takes_chunk_mem_const(liger_fused_linear_cross_entropy):  # older Liger keeps its own chunks
         chunks["chunk_mem_const"] = fused_loss_chunk(hidden.shape[0], self.lm_head.out_features, hidden.shape[1])[0]
     # Under ZeRO-3 reading the partitioned head's weight here gathers it (DeepSpeed registers it as
     # an external parameter of the model); it then stays gathered into the next step, which the
@@ -276,6 +276,12 @@ def _target_rows(hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Ten
     if rows.numel() in (0, targets.numel()):  # no target at all, or none to drop: the rows as they are
         return hidden, targets
     return hidden.index_select(0, rows), targets.index_select(0, rows)
+
+
+@functools.cache
+def _takes_chunk_mem_const(fused_loss: Any) -> bool:
+    """Whether Liger's fused loss function takes ``chunk_mem_const`` (0.8.5 does), asked once per function."""
+    return "chunk_mem_const" in inspect.signature(fused_loss).parameters
 
 
 FUSED_LOSS_MIN_CHUNK_ROWS = 1024
