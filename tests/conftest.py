@@ -235,6 +235,21 @@ def trained_state(checkpoint: Path, stage: int) -> dict:
     return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag="state")
 
 
+def peft_reload(base, adapter_path):
+    """The adapter in ``adapter_path`` on ``base`` by peft's own ``PeftModel.from_pretrained``, the
+    documented way to load a result, without peft's AdaLoRA rank-pattern warning, which is wrong
+    (``zerolab.generation._ADALORA_RANK_PATTERN_WARNING``)."""
+    import warnings
+
+    from peft import PeftModel
+
+    from zerolab.generation import _ADALORA_RANK_PATTERN_WARNING
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_ADALORA_RANK_PATTERN_WARNING, category=RuntimeWarning)
+        return PeftModel.from_pretrained(base, adapter_path)
+
+
 @pytest.fixture(scope="session")
 def _ray_session():
     """Ray is shut down once, after the last test; starting it costs seconds each time."""

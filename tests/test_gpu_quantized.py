@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import kill_a_training_worker, trained_state
+from conftest import kill_a_training_worker, peft_reload, trained_state
 from test_gpu_tier import BF16_LOGITS_TOL, GPUS, case_config, matrix, probe_logits, relative_error
 from zerolab import adapters
 from zerolab.config import ModelSpec, SFTConfig
@@ -57,7 +57,6 @@ def quantized_reference(cfg: SFTConfig, checkpoint: Path, device: torch.device) 
 
 def check_quantized_case(tmp_path: Path, model_path: str, overrides: list[str], num_workers: int, **extra: str):
     from mlflow import MlflowClient
-    from peft import PeftModel
 
     from zerolab.run import run_sft
 
@@ -78,7 +77,7 @@ def check_quantized_case(tmp_path: Path, model_path: str, overrides: list[str], 
     device = torch.device("cuda")
     reference = probe_logits(quantized_reference(cfg, Path(result.checkpoint_path), device), device)
     spec = ModelSpec(name_or_path=cfg.model.name_or_path, quantization=cfg.model.quantization)
-    reloaded = probe_logits(PeftModel.from_pretrained(load_model(spec, DTYPES[cfg.precision()], device), result.adapter_path), device)
+    reloaded = probe_logits(peft_reload(load_model(spec, DTYPES[cfg.precision()], device), result.adapter_path), device)
     plain = probe_logits(load_model(ModelSpec(name_or_path=cfg.model.name_or_path), DTYPES[cfg.precision()], device), device)
     # peft reloads the adapter in fp32 beside the bf16 base (zerolab trains it in bf16): bf16 rounding
     # apart, the main tier's bound (fp4 DoRA measured 1.2e-2 on an H100: its weight norm over the

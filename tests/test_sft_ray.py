@@ -3,14 +3,13 @@ peft and a real MLflow store. Each run is short (10 steps on 192 generated rows)
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import tiny_overrides, trained_state
-from zerolab import adapters, generation
+from conftest import peft_reload, tiny_overrides, trained_state
+from zerolab import adapters
 from zerolab.config import ModelSpec, load_config
 from zerolab.models import load_model
 from zerolab.run import run_sft
@@ -52,8 +51,6 @@ def check_run(tmp_path: Path, overrides: list[str]) -> None:
     state = trained_state(checkpoint, cfg.deepspeed.stage)
     base = load_model(ModelSpec(), torch.float32)
     if cfg.adapter.is_peft():
-        from peft import PeftModel
-
         # Only adapter weights changed: every base weight in the trained state equals the base model's.
         base_state = base.state_dict()
         frozen = {k: v for k, v in state.items() if "lora_" not in k and "ranknum" not in k}
@@ -65,9 +62,7 @@ def check_run(tmp_path: Path, overrides: list[str]) -> None:
             assert torch.equal(value.float(), original.float()), key
         reference = adapters.apply_adapter(load_model(ModelSpec(), torch.float32), cfg.adapter, total_steps=cfg.train.max_steps)
         reference.load_state_dict(state, strict=False)
-        with warnings.catch_warnings():  # peft's own loader, on purpose; its AdaLoRA rank-pattern warning is wrong (zerolab.generation)
-            warnings.filterwarnings("ignore", message=generation._ADALORA_RANK_PATTERN_WARNING, category=RuntimeWarning)
-            reloaded = PeftModel.from_pretrained(base, result.adapter_path)
+        reloaded = peft_reload(base, result.adapter_path)
     else:
         from transformers import AutoModelForCausalLM
 
